@@ -1,0 +1,75 @@
+"""Several KV-cache groups drawing from one pool: one hit length all agree on, one capacity check."""
+from __future__ import annotations
+
+from math import lcm
+
+from .block_pool import Block, BlockPool
+from .group import KVCacheGroup
+from .request import Request
+from .specs import AttentionSpec
+
+
+class GroupCoordinator:
+    def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
+        self.pool = pool
+        # Groups that drop nothing have downward-closed hits: asking them first caps the others' search.
+        self.groups = [KVCacheGroup(i, s, pool, enable_caching) for i, s in enumerate(specs)]
+        self._search_order = sorted(self.groups, key=lambda g: g.drops)
+        self.alignment = lcm(*(s.block_size for s in specs))
+
+    def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
+        """The largest hit every group accepts, a multiple of ``alignment``, at most ``max_tokens``.
+
+        Each group returns its own longest hit at or below the current bound; the bound falls to the
+        smallest answer (aligned) until one full round leaves it unchanged. It only ever falls, so this
+        ends, and the result is the largest length valid for all groups.
+        """
+        align = self.alignment
+        hashes = {g.block_size: request.block_hashes(g.block_size) for g in self.groups}
+        h = max_tokens // align * align
+        settled = 0
+        while h > 0 and settled < len(self.groups):
+            settled = 0
+            for g in self._search_order:
+                hg = g.longest_hit(hashes[g.block_size], h) // align * align
+                if hg == h:
+                    settled += 1
+                else:
+                    h, settled = hg, 0
+                    if h == 0:
+                        break
+        if h == 0:
+            return tuple([] for _ in self.groups), 0
+        return tuple(g.hit_blocks(hashes[g.block_size], h) for g in self.groups), h
+
+    def allocate(self, request: Request, num_computed: int, num_slots: int, num_cacheable: int,
+                 hit: tuple[list[Block], ...]) -> tuple[list[int], ...] | None:
+        """Drop, check capacity, allocate; ``None`` (and no change at all) when the pool is short.
+
+        Blocks the drop would free count as free; hit blocks waiting in the free queue count as taken.
+        A step that needs no new block (most decode steps) skips the check: dropping only frees.
+        """
+        rid = request.request_id
+        groups = self.groups
+        new = [g.num_new_blocks(rid, num_slots, len(h)) for g, h in zip(groups, hit)]
+        if any(new) or any(hit):
+            need = sum(new) - self.pool.num_free_blocks
+            for g, blocks in zip(groups, hit):
+                need -= g.num_freed_by_drop(rid, num_computed)
+                need += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+            if need > 0:
+                return None
+        out = []
+        for g, blocks, n in zip(groups, hit, new):
+            if g.drops:
+                g.drop(rid, num_computed)
+            if blocks:
+                self.pool.touch(blocks)
+            out.append(g.append(rid, blocks, n))
+            if g.enable_caching:
+                g.cache_full_blocks(request, num_cacheable)
+        return tuple(out)
+
+    def free(self, request_id: str) -> None:
+        for g in self.groups:
+            g.free(request_id)

@@ -1,0 +1,110 @@
+"""One KV-cache group: the block tables of every request for layers that share one attention spec.
+
+The spec's rule (``first_needed_token``) decides what to drop and which cached blocks a hit needs;
+this class keeps the tables consistent with it. Dropped entries become the null block, so a table
+always has the length full attention would have and a worker's append-only mirror stays valid.
+"""
+from __future__ import annotations
+
+from .block_pool import NULL_BLOCK_ID, Block, BlockPool
+from .request import Request
+from .specs import AttentionSpec
+
+
+class KVCacheGroup:
+    def __init__(self, group_id: int, spec: AttentionSpec, pool: BlockPool, enable_caching: bool):
+        self.group_id = group_id
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = pool
+        self.enable_caching = enable_caching
+        self.drops = spec.first_needed_token(1 << 62) > 0
+        self.tables: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}   # leading blocks of each table already in the cache
+
+    # -- prefix hits ---------------------------------------------------------------------------
+    def longest_hit(self, block_hashes: list[bytes], max_tokens: int) -> int:
+        """Longest hit in tokens, at most ``max_tokens``, that this group alone accepts."""
+        cached = self.pool._cached[self.group_id]
+        max_blocks = min(max_tokens // self.block_size, len(block_hashes))
+        return self.spec.longest_hit(lambda i: block_hashes[i] in cached, max_blocks) * self.block_size
+
+    def hit_blocks(self, block_hashes: list[bytes], num_tokens: int) -> list[Block]:
+        """The table of a hit of ``num_tokens``: nulls before the first needed block, cached blocks after."""
+        end = num_tokens // self.block_size
+        first = self.spec.first_needed_token(num_tokens) // self.block_size
+        get = self.pool.get_cached
+        return [self.pool.null_block] * first + [get(self.group_id, h) for h in block_hashes[first:end]]
+
+    # -- dropping ------------------------------------------------------------------------------
+    def _droppable(self, table: list[Block], num_computed: int) -> range:
+        """Indices of real blocks lying wholly before what the next token can see."""
+        stop = min(self.spec.first_needed_token(num_computed) // self.block_size, len(table))
+        start = stop
+        while start > 0 and table[start - 1].block_id != NULL_BLOCK_ID:  # nulls always form a prefix
+            start -= 1
+        return range(start, stop)
+
+    def num_freed_by_drop(self, request_id: str, num_computed: int) -> int:
+        table = self.tables.get(request_id)
+        if not self.drops or not table:
+            return 0
+        return sum(1 for i in self._droppable(table, num_computed) if table[i].ref_cnt == 1)
+
+    def drop(self, request_id: str, num_computed: int) -> None:
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        span = self._droppable(table, num_computed)
+        if not span:
+            return
+        dropped = table[span.start:span.stop]
+        table[span.start:span.stop] = [self.pool.null_block] * len(span)
+        # A block shared through a prefix hit has proven useful to others: keep it in LRU order.
+        # Blocks only this request ever used are the least likely to be hit again: evict them first,
+        # so that finished requests' trailing windows survive longer.
+        self.pool.release([b for b in dropped if not b.shared], evict_first=True)
+        self.pool.release([b for b in dropped if b.shared])
+
+    # -- allocation ----------------------------------------------------------------------------
+    def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
+        table = self.tables.get(request_id)
+        have = (len(table) if table else 0) + num_hit_blocks
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def append(self, request_id: str, hit: list[Block], num_new: int) -> list[int]:
+        """Append hit blocks (already referenced) and ``num_new`` fresh ones; return the ids appended."""
+        if not hit and not num_new and request_id in self.tables:
+            return []
+        table = self.tables.get(request_id)
+        if table is None:
+            table = self.tables[request_id] = []
+            self._num_cached[request_id] = len(hit)
+        added = hit + self.pool.take(num_new) if num_new else hit
+        table.extend(added)
+        return [b.block_id for b in added]
+
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter blocks that are full of known tokens once this step runs into the prefix cache."""
+        rid = request.request_id
+        start = self._num_cached[rid]
+        end = min(num_tokens, request.num_tokens) // self.block_size
+        if end <= start:
+            return
+        hashes = request.block_hashes(self.block_size)
+        table, cache, gid = self.tables[rid], self.pool.cache, self.group_id
+        for i in range(start, end):
+            block = table[i]
+            if block.block_id != NULL_BLOCK_ID and block.block_hash is None:
+                cache(block, gid, hashes[i])
+        self._num_cached[rid] = end
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first, so the head of a shared prefix is evicted last."""
+        table = self.tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if table:
+            self.pool.release([b for b in reversed(table) if b.block_id != NULL_BLOCK_ID])
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables[request_id]]

@@ -1,0 +1,184 @@
+"""``KVCacheManager``: the facade an engine calls. It checks every argument before touching state."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_pool import NULL_BLOCK_ID, BlockPool
+from .coordinator import GroupCoordinator
+from .request import Request
+from .specs import AttentionSpec
+
+
+@dataclass
+class CacheStats:
+    """Prefix-cache counters since start (or the last ``reset_stats``)."""
+
+    lookups: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class KVCacheManager:
+    """Block tables for every running request, one per KV-cache group, all from one pool.
+
+    ``groups``: one attention spec per group, e.g. ``[FullAttention(16), SlidingWindow(16, window=4096)]``.
+    """
+
+    def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,
+                 max_model_len: int = 1 << 20):
+        groups = list(groups)
+        if not groups:
+            raise ValueError("at least one KV-cache group spec is needed")
+        for spec in groups:
+            if not isinstance(spec, AttentionSpec):
+                raise TypeError(f"group specs must be FullAttention, SlidingWindow or ChunkedLocalAttention, "
+                                f"got {spec!r}")
+        _check_count("max_model_len", max_model_len)
+        if max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        self.specs = tuple(groups)
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, len(groups))
+        self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
+        self.stats = CacheStats()
+        self._running: dict[str, Request] = {}
+        self._no_hit = tuple([] for _ in groups)
+        self._nothing_new = tuple([] for _ in groups)
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of allocatable blocks in use (cached blocks waiting in the free queue are free)."""
+        return 1.0 - self.pool.num_free_blocks / (self.pool.num_blocks - 1)
+
+    def blocks_held_per_group(self) -> list[int]:
+        """Distinct real blocks each group's tables hold now (for metrics; walks every table)."""
+        return [len({b.block_id for t in g.tables.values() for b in t if b.block_id != NULL_BLOCK_ID})
+                for g in self.coordinator.groups]
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id not in self._running:
+            raise KeyError(f"unknown request id {request_id!r}: it holds no blocks")
+        return tuple(g.block_ids(request_id) for g in self.coordinator.groups)
+
+    # -- prefix cache --------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request):
+        """Cached blocks for the longest usable prefix of ``request`` and its length in tokens.
+
+        The last known token is always recomputed, so the hit is below ``request.num_tokens``.
+        Changes nothing: the blocks are taken by the ``allocate_slots`` call that receives them.
+        """
+        self._check_request(request)
+        if request.request_id in self._running:
+            raise ValueError(f"request {request.request_id!r} already holds blocks; look up before its "
+                             f"first allocation (or after preempt)")
+        if not self.enable_prefix_caching:
+            return self._no_hit, 0
+        max_tokens = request.num_tokens - 1
+        hit, h = self.coordinator.find_hit(request, max_tokens)
+        self.stats.lookups += 1
+        self.stats.queried_tokens += request.num_tokens
+        self.stats.hit_tokens += h
+        return hit, h
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; blocks in use stay where they are."""
+        self.pool.reset_prefix_cache()
+        return True
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks=None, num_lookahead_tokens: int = 0):
+        """Make room for ``num_new_tokens`` (+ look-ahead) after the computed ones.
+
+        First drops what the request no longer needs, then checks capacity, then allocates.
+        Returns the block ids appended to each group's table (a hit's nulls included), or ``None`` when
+        the pool cannot hold it; then nothing has changed, not even the drop.
+        """
+        self._check_request(request)
+        rid = request.request_id
+        if not (type(num_new_tokens) is int and type(num_new_computed_tokens) is int  # noqa: E721 (no bools)
+                and type(num_lookahead_tokens) is int
+                and num_new_tokens >= 0 and num_new_computed_tokens >= 0 and num_lookahead_tokens >= 0):
+            _check_count("num_new_tokens", num_new_tokens)
+            _check_count("num_new_computed_tokens", num_new_computed_tokens)
+            _check_count("num_lookahead_tokens", num_lookahead_tokens)
+        running = self._running.get(rid)
+        if running is not None and running is not request:
+            raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
+        hit = self._check_hit(request, running is not None, num_new_computed_tokens, new_computed_blocks)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens = num_computed + num_new_tokens
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        # Look-ahead slots past max_model_len could never be used: reserve up to the limit only.
+        num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+
+        new = self.coordinator.allocate(request, num_computed, num_slots, num_tokens, hit)
+        if new is not None:
+            self._running[rid] = request
+        return new
+
+    def free(self, request: Request) -> None:
+        """The request is finished: release its blocks. It can never allocate again."""
+        self._check_request(request)
+        self._release(request)
+        request.finished = True
+
+    def preempt(self, request: Request) -> None:
+        """Release a running request's blocks; it starts over (through the prefix cache) when resumed."""
+        self._check_request(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        self.stats.preemptions += 1
+
+    # -- checks --------------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        rid = request.request_id
+        if self._running.get(rid) is not request:
+            raise ValueError(f"request {rid!r} holds no blocks (never allocated, already freed or preempted)")
+        del self._running[rid]
+        self.coordinator.free(rid)
+
+    def _check_request(self, request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a kvmanager.Request, got {type(request).__name__}")
+        if request.finished:
+            raise ValueError(f"request {request.request_id!r} was freed; it cannot be used again")
+
+    def _check_hit(self, request: Request, running: bool, num_hit_tokens: int, hit):
+        if not num_hit_tokens and not hit:
+            return self._no_hit
+        if hit is None or len(hit) != len(self.specs):
+            raise ValueError(f"new_computed_blocks must hold one list per group ({len(self.specs)}), got {hit!r}")
+        if running or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r}: prefix-cache blocks can only be added "
+                             f"before its first computed token")
+        if num_hit_tokens >= request.num_tokens:
+            raise ValueError(f"request {request.request_id!r}: a hit of {num_hit_tokens} tokens leaves "
+                             f"nothing to compute of {request.num_tokens}")
+        for spec, blocks in zip(self.specs, hit):
+            if len(blocks) * spec.block_size != num_hit_tokens:
+                raise ValueError(f"new_computed_blocks do not cover num_new_computed_tokens={num_hit_tokens} "
+                                 f"(a group of block size {spec.block_size} got {len(blocks)} blocks)")
+        return hit

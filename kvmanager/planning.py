@@ -1,0 +1,187 @@
+"""Planning: from layer specs and a memory budget to KV-cache groups, pool size and concurrency.
+
+Memory layout without padding. Layers of one kind may outnumber another's (gemma-3-27b: 52 sliding,
+10 full). A pool block must be usable by any group, so every group spans the same number of layers
+``S``: the gcd of the per-kind layer counts of a stage. Each kind is split into ``count / S`` groups
+that share the attention spec and differ only in their block ids. A stage allocates ``S`` K/V
+tensors of ``num_blocks`` pages each; the layer at slot ``t`` of any group reads and writes tensor
+``t`` at its group's block ids. Every byte is used by whichever group holds the block; nothing is padded.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from functools import reduce
+from math import gcd
+
+from .specs import AttentionSpec, FullAttention
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """One pipeline stage: which group and tensor slot each of its layers uses."""
+
+    layers: tuple[str, ...]
+    layer_slots: dict           # layer name -> (group index, slot)
+    layers_per_group: int       # S: K/V tensors this stage allocates
+    block_bytes: int            # one pool block on this stage: S layers' pages
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    group_specs: tuple[AttentionSpec, ...]   # one per KV-cache group, as the manager takes them
+    stages: tuple[StageLayout, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one pool block costs on the most loaded stage (every stage holds num_blocks of them)."""
+        return max(s.block_bytes for s in self.stages)
+
+    def num_blocks(self, kv_memory_bytes: int) -> int:
+        """Pool blocks that fit the per-device budget, the null block included."""
+        return kv_memory_bytes // self.block_bytes
+
+    def blocks_per_request(self, context_len: int, num_new_tokens: int = 1) -> int:
+        """Pool blocks one request holds at most while computing ``num_new_tokens`` within ``context_len``."""
+        return sum(max_blocks_held(s, context_len, num_new_tokens) for s in self.group_specs)
+
+    def kv_bytes_per_request(self, context_len: int, num_new_tokens: int = 1) -> int:
+        return self.blocks_per_request(context_len, num_new_tokens) * self.block_bytes
+
+    def max_concurrency(self, kv_memory_bytes: int, context_len: int, num_new_tokens: int = 1) -> int:
+        usable = self.num_blocks(kv_memory_bytes) - 1  # the null block
+        return max(0, usable) // self.blocks_per_request(context_len, num_new_tokens)
+
+
+def max_blocks_held(spec: AttentionSpec, context_len: int, num_new_tokens: int = 1) -> int:
+    """Most real blocks one group holds for a request of ``context_len`` tokens computing
+    ``num_new_tokens`` per step (1: steady decode; a prefill chunk: the prefill peak).
+
+    The tokens held are the ones the first new token still sees plus the new ones; ``T`` consecutive
+    tokens touch at most ``ceil((T - 1) / B) + 1`` blocks, and never more than the context has.
+    """
+    b = spec.block_size
+    visible_before = max(n - spec.first_needed_token(n) for n in _probe_points(spec, context_len))
+    span = min(context_len, visible_before + num_new_tokens)
+    return min(-(-context_len // b), -(-(span - 1) // b) + 1)
+
+
+def _probe_points(spec: AttentionSpec, context_len: int):
+    """Computed-token counts where a kind sees the most history: the end, or just before a reset."""
+    yield max(0, context_len - 1)
+    chunk = getattr(spec, "chunk_size", None)
+    if chunk and context_len > chunk:
+        yield chunk - 1
+
+
+def split_stages(layer_names: list[str], pipeline_parallel_size: int) -> list[list[str]]:
+    """Contiguous stages, as even as possible, earlier stages taking the remainder."""
+    n, pp = len(layer_names), pipeline_parallel_size
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+    if pp > n:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {n} layers")
+    sizes = [n // pp + (1 if i < n % pp else 0) for i in range(pp)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(layer_names[start:start + size])
+        start += size
+    return out
+
+
+def shard_spec(spec: AttentionSpec, tensor_parallel_size: int) -> AttentionSpec:
+    """The spec as one tensor-parallel rank holds it: KV heads split, or replicated when fewer than ranks."""
+    tp, h = tensor_parallel_size, spec.num_kv_heads
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    if h % tp == 0:
+        return replace(spec, num_kv_heads=h // tp)
+    if tp % h == 0:
+        return replace(spec, num_kv_heads=1)
+    raise ValueError(f"tensor_parallel_size={tp} does not divide num_kv_heads={h} (nor the reverse)")
+
+
+def _describe(counts: Counter) -> str:
+    return ", ".join(f"{n} x {_spec_name(s)}" for s, n in counts.items())
+
+
+def _spec_name(spec: AttentionSpec) -> str:
+    extra = {"sliding": f"(window={getattr(spec, 'window', '')})",
+             "chunked_local": f"(chunk={getattr(spec, 'chunk_size', '')})"}.get(spec.kind, "")
+    return spec.kind + extra
+
+
+def kv_layout(layer_specs: dict, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1) -> KVLayout:
+    """Groups and per-stage slots for ``layer_specs`` (layer name -> spec, in model order).
+
+    Raises ``ValueError`` naming the stages and their kinds when stages hold different mixes: one
+    manager serves every stage, so every stage must hold the same groups.
+    """
+    if not layer_specs:
+        raise ValueError("layer_specs is empty: the model has no attention layers")
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"layer {name!r}: expected an attention spec, got {spec!r}")
+    specs = {name: shard_spec(s, tensor_parallel_size) for name, s in layer_specs.items()}
+    stage_names = split_stages(list(specs), pipeline_parallel_size)
+    stage_counts = [Counter(specs[n] for n in names) for names in stage_names]
+    ratios = []
+    for counts in stage_counts:
+        g = reduce(gcd, counts.values())
+        ratios.append({s: n // g for s, n in counts.items()})
+    if any(r != ratios[0] for r in ratios[1:]):
+        detail = "; ".join(f"stage {i} (layers {names[0]}..{names[-1]}): {_describe(c)}"
+                           for i, (names, c) in enumerate(zip(stage_names, stage_counts)))
+        raise ValueError("pipeline stages hold different mixes of layer kinds, but one KV-cache manager "
+                         f"serves them all; choose another pipeline_parallel_size. {detail}")
+    kinds = list(ratios[0])                      # model order of first appearance
+    group_specs = tuple(s for s in kinds for _ in range(ratios[0][s]))
+    first_group = {s: sum(ratios[0][k] for k in kinds[:i]) for i, s in enumerate(kinds)}
+    stages = []
+    for names, counts in zip(stage_names, stage_counts):
+        per_group = counts[kinds[0]] // ratios[0][kinds[0]]
+        seen: Counter = Counter()
+        slots = {}
+        for name in names:
+            spec = specs[name]
+            k = seen[spec]
+            seen[spec] += 1
+            slots[name] = (first_group[spec] + k // per_group, k % per_group)
+        page = max(s.page_size_bytes for s in counts)
+        stages.append(StageLayout(tuple(names), slots, per_group, per_group * page))
+    return KVLayout(group_specs, tuple(stages))
+
+
+def as_full_attention(layer_specs: dict) -> dict:
+    """The same model with every layer treated as full attention (the layout peers fall back to)."""
+    return {name: FullAttention(block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
+                                dtype=s.dtype) for name, s in layer_specs.items()}
+
+
+def capacity_report(layer_specs: dict, kv_memory_bytes: int, context_len: int, *, prefill_chunk: int = 512,
+                    pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1) -> dict:
+    """Concurrency at ``context_len`` for the window-aware layout and for sliding-as-full, side by side."""
+    if isinstance(kv_memory_bytes, bool) or not isinstance(kv_memory_bytes, int) or kv_memory_bytes <= 0:
+        raise ValueError(f"kv_memory_bytes must be a positive integer, got {kv_memory_bytes!r}")
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
+        raise ValueError(f"context_len must be an integer >= 1, got {context_len!r}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    out = {}
+    for label, specs in (("window_aware", layer_specs), ("sliding_as_full", as_full_attention(layer_specs))):
+        layout = kv_layout(specs, pipeline_parallel_size, tensor_parallel_size)
+        chunk = min(prefill_chunk, context_len)
+        out[label] = {
+            "num_groups": len(layout.group_specs),
+            "layers_per_group": [s.layers_per_group for s in layout.stages],
+            "block_bytes": layout.block_bytes,
+            "num_blocks": layout.num_blocks(kv_memory_bytes),
+            "blocks_per_request": layout.blocks_per_request(context_len),
+            "kv_bytes_per_request": layout.kv_bytes_per_request(context_len),
+            "max_concurrency": layout.max_concurrency(kv_memory_bytes, context_len),
+            "prefill_peak_kv_bytes_per_request": layout.kv_bytes_per_request(context_len, chunk),
+            "max_concurrency_prefill_peak": layout.max_concurrency(kv_memory_bytes, context_len, chunk),
+        }
+    full = out["sliding_as_full"]["max_concurrency"]
+    out["concurrency_ratio"] = out["window_aware"]["max_concurrency"] / full if full else float("inf")
+    return out

@@ -1,0 +1,68 @@
+"""A request as the manager sees it: its tokens, how many are computed, and its block hashes."""
+from __future__ import annotations
+
+from .hashing import hash_block, root_hash
+
+
+def _check_token_ids(token_ids, what: str) -> list[int]:
+    ids = list(token_ids)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"{what} must be non-negative integers, got {t!r}")
+    return ids
+
+
+class Request:
+    """Tokens of one sequence. The caller advances ``num_computed_tokens`` after each step.
+
+    ``extra_keys`` (e.g. a cache salt or an adapter name) make its blocks distinct from another
+    request's with the same tokens. Block hashes are computed lazily, once per full block and block size.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
+                 "num_computed_tokens", "extra_keys", "finished", "_hashes")
+
+    def __init__(self, request_id: str, prompt_token_ids, *, extra_keys: tuple = ()):
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = _check_token_ids(prompt_token_ids, "prompt_token_ids")
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        if not isinstance(extra_keys, tuple):
+            raise TypeError(f"request {request_id!r}: extra_keys must be a tuple, got {type(extra_keys).__name__}")
+        root_hash(extra_keys)  # validates the keys now, not at the first hash
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt)
+        self.num_computed_tokens = 0
+        self.extra_keys = extra_keys
+        self.finished = False
+        self._hashes: dict[int, list[bytes]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_output_token_ids(self, token_ids) -> None:
+        ids = _check_token_ids(token_ids, "output token ids")
+        self.output_token_ids.extend(ids)
+        self.all_token_ids.extend(ids)
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """Hashes of every full block of ``block_size`` tokens, extended to the tokens known now."""
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            hashes = self._hashes[block_size] = []
+        n_full = len(self.all_token_ids) // block_size
+        if len(hashes) < n_full:
+            tokens = self.all_token_ids
+            parent = hashes[-1] if hashes else root_hash(self.extra_keys)
+            for i in range(len(hashes), n_full):
+                parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
+                hashes.append(parent)
+        return hashes
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, finished={self.finished})")

@@ -1,0 +1,108 @@
+"""Attention kinds: each says which earlier tokens a position still needs, and everything follows.
+
+One rule per kind, ``first_needed_token(n)``: with ``n`` tokens computed, the next token never reads KV
+before that position. The drop rule frees blocks lying entirely before it; the hit rule accepts a
+prefix of length ``h`` when every block from ``first_needed_token(h)`` up to ``h`` is cached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+               "int8": 1}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a KV-cache group needs to know of its layers: block size and the size of one layer's page."""
+
+    block_size: int
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+
+    kind = "abstract"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 1, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"{type(self).__name__}: unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of K and V for one block of one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+
+    def first_needed_token(self, num_computed: int) -> int:
+        """Earliest position the token at ``num_computed`` (and every later one) may attend to."""
+        raise NotImplementedError
+
+    def longest_hit(self, is_cached: Callable[[int], bool], max_blocks: int) -> int:
+        """Largest ``e <= max_blocks`` such that the blocks a hit of ``e`` blocks needs are all cached.
+
+        Scans candidates from the right. A candidate ``e`` needs blocks ``[first, e)``; they are tested
+        left to right, so a miss at block ``i`` rules out every candidate whose run contains ``i`` and the
+        next candidate is ``i`` itself: a cold search of a sliding window of ``R`` blocks tests about one
+        block in ``R``. Blocks already known cached are not tested twice.
+        """
+        bs = self.block_size
+        end = max_blocks
+        known_from = end  # blocks [known_from, end) are known to be cached
+        while end > 0:
+            first = self.first_needed_token(end * bs) // bs
+            i = first
+            while i < known_from and is_cached(i):
+                i += 1
+            if i >= known_from:
+                return end
+            end, known_from = i, first
+        return 0
+
+    def max_real_blocks(self, num_tokens: int, num_new_tokens: int = 1) -> int:
+        """Real (non-null) blocks a request holds while computing ``num_new_tokens`` after ``num_tokens``."""
+        last = num_tokens + num_new_tokens - 1
+        return last // self.block_size - self.first_needed_token(num_tokens) // self.block_size + 1
+
+
+@dataclass(frozen=True)
+class FullAttention(AttentionSpec):
+    kind = "full"
+
+    def first_needed_token(self, num_computed: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class SlidingWindow(AttentionSpec):
+    """Position ``p`` attends to ``max(0, p - window + 1) .. p``: ``window`` tokens, itself included."""
+
+    window: int = 4096
+    kind = "sliding"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"SlidingWindow: window must be an integer >= 1, got {self.window!r}")
+
+    def first_needed_token(self, num_computed: int) -> int:
+        return max(0, num_computed - self.window + 1)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttention(AttentionSpec):
+    """Position ``p`` attends to ``(p // chunk_size) * chunk_size .. p`` (Llama-4's local layers)."""
+
+    chunk_size: int = 8192
+    kind = "chunked_local"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"ChunkedLocalAttention: chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+
+    def first_needed_token(self, num_computed: int) -> int:
+        return (num_computed // self.chunk_size) * self.chunk_size
