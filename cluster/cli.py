@@ -16,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
     demo = sub.add_parser("demo", help="walk through the KV-cache manager on a hybrid layout")
     demo.set_defaults(func=_demo)
+    from .planner import register as register_plan
+    register_plan(sub)
     return parser
 
 

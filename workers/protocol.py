@@ -33,3 +33,4 @@ class StepInput:
 class StepOutput:
     step_id: int
     sampled: dict[str, int]              # request_id -> next token, for chunks with sample=True
+    simulated_time_s: float = 0.0        # simulated workers: the step's time on the modelled GPU

@@ -1,0 +1,178 @@
+"""SimulatedWorker: mirrors fed by the real KVCacheManager's deltas, strict checks, seeded tokens, step times."""
+import pytest
+
+from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager.planning import kv_layout
+from workers.cost_model import StepCostModel
+from workers.presets import layer_specs
+from workers.protocol import ScheduledChunk, StepInput
+from workers.simulated import SimulatedWorker
+
+HYBRID = [FullAttention(4), SlidingWindow(4, window=8)]
+
+
+def drive(mgr, worker, prompts, num_steps, chunk=512):
+    """A minimal engine loop: prefill in chunks, then decode; yields each step's (output, requests)."""
+    reqs = [Request(rid, prompt) for rid, prompt in prompts]
+    hits = {}
+    for step_id in range(num_steps):
+        chunks, scheduled = [], []
+        for req in reqs:
+            if req.num_computed_tokens == 0:
+                hit, h = mgr.get_computed_blocks(req)
+            else:
+                hit, h = None, 0
+            start = req.num_computed_tokens + h
+            n = min(chunk, req.num_tokens - start)
+            new = mgr.allocate_slots(req, n, num_new_computed_tokens=h, new_computed_blocks=hit)
+            assert new is not None, "the test pool is large enough"
+            hits[req.request_id] = hits.get(req.request_id, 0) + h
+            sample = start + n == req.num_tokens
+            chunks.append(ScheduledChunk(req.request_id, req.all_token_ids[start:start + n], start,
+                                         [list(g) for g in new], sample))
+            scheduled.append((req, h + n, sample))
+        out = worker.execute(StepInput(step_id, chunks))
+        for req, advance, sample in scheduled:
+            req.num_computed_tokens += advance
+            if sample:
+                req.append_output_token_ids([out.sampled[req.request_id]])
+        yield out, reqs, hits
+
+
+def test_sliding_only_preset_holds_exactly_the_plans_bound():
+    # mistral-7b-v0.1: 32 sliding layers, W = 4096, B = 16 -> one group.
+    specs = kv_layout(layer_specs("mistral-7b-v0.1")).group_specs
+    assert [s.window for s in specs] == [4096]
+    mgr = KVCacheManager(specs, num_blocks=400, max_model_len=8192)
+    worker = SimulatedWorker.for_model("mistral-7b-v0.1", "H100-80GB", num_blocks=400, seed=3)
+    prompt = [7] * 4100                         # 8 chunks of 512, then 4 tokens, then decode
+    peak_prefill = peak_decode = 0
+    for out, (req,), _ in drive(mgr, worker, [("r", prompt)], 9 + 300):
+        (in_use,) = worker.blocks_in_use("r")
+        (table,) = mgr.get_block_ids("r")
+        assert in_use == [b for b in table if b != 0]       # the mirror's live blocks are what the manager holds
+        assert out.simulated_time_s > 0
+        if len(req.output_token_ids) <= 1:
+            peak_prefill = max(peak_prefill, len(in_use))
+        else:
+            peak_decode = max(peak_decode, len(in_use))
+    assert req.num_computed_tokens == 4100 + 300
+    # Decode bound ceil((W - 1) / B) + 1 = ceil(4095 / 16) + 1 = 257, reached once the window is unaligned.
+    assert peak_decode == 257
+    # Prefill bound with 512-token chunks: ceil((4095 + 512 - 1) / 16) + 1 = 289. This prompt's widest
+    # prefill step is its last (4 tokens from 4096, reading from position 1): blocks 0..256.
+    assert peak_prefill == 257 <= 289
+    plan = kv_layout(layer_specs("mistral-7b-v0.1"))
+    assert plan.blocks_per_request(32768) == 257 and plan.blocks_per_request(32768, 512) == 289
+
+
+def _tokens(worker_seed, prompts, steps=12):
+    mgr = KVCacheManager(HYBRID, num_blocks=200)
+    worker = SimulatedWorker(HYBRID, 200, vocab_size=1000, seed=worker_seed)
+    outs = [out.sampled for out, _, _ in drive(mgr, worker, prompts, steps, chunk=5)]
+    return outs
+
+
+def test_deterministic_for_a_seed_and_replayable():
+    prompts = [("a", list(range(1, 14))), ("b", list(range(1, 10)) + [99, 98])]
+    first, again, other = _tokens(7, prompts), _tokens(7, prompts), _tokens(8, prompts)
+    assert first == again
+    assert first != other
+    # a (13 tokens, chunks of 5) samples from its third step on; b hits a's first block (cached when a
+    # allocated it in step 0) and samples from its second.
+    assert [sum(rid in s for s in first) for rid in "ab"] == [10, 11]
+    # A fresh worker (after a fault) re-running one request produces the same token at the same position.
+    w1, w2 = (SimulatedWorker(HYBRID, 200, vocab_size=1000, seed=7) for _ in range(2))
+    chunk = ScheduledChunk("a", [1, 2, 3], 0, [[1], [2]], sample=True, seed=5)
+    assert w1.execute(StepInput(0, [chunk])).sampled == w2.execute(StepInput(9, [chunk])).sampled
+    other_request = ScheduledChunk("z", [1, 2, 3], 0, [[1], [2]], sample=True, seed=5)
+    assert [w1.sample(ScheduledChunk("a", [1], p, [[], []], seed=5)) for p in range(8)] != \
+           [w1.sample(ScheduledChunk("z", [1], p, [[], []], seed=5)) for p in range(8)]
+    assert 0 <= w2.sample(other_request) < 1000
+
+
+def test_prefix_hit_first_chunk_starts_after_the_hit():
+    mgr = KVCacheManager(HYBRID, num_blocks=200)
+    worker = SimulatedWorker(HYBRID, 200, vocab_size=1000)
+    shared = list(range(1, 30))
+    list(drive(mgr, worker, [("a", shared + [40])], 4, chunk=8))     # a's prefill: its window still holds 16..
+    steps = list(drive(mgr, worker, [("b", shared + [50, 51])], 3, chunk=8))
+    assert steps[-1][2]["b"] == 28               # 7 blocks of 4 hit
+    full, window = worker.block_table("b")
+    # The window (8) at position 28 reads from 21: the first chunk carries 5 leading nulls, then real blocks.
+    assert window[:5] == [0] * 5 and 0 not in window[5:] and 0 not in full
+    assert full[:7] == mgr.get_block_ids("a")[0][:7]
+
+
+def _worker():
+    w = SimulatedWorker(HYBRID, 50, vocab_size=100)
+    w.execute(StepInput(0, [ScheduledChunk("r", list(range(10)), 0, [[1, 2, 3], [4, 5, 6]])]))
+    return w
+
+
+@pytest.mark.parametrize("step, match", [
+    (StepInput(1, [ScheduledChunk("r", [1], 9, [[], []])]), r"start_pos=9 does not continue .* 0\.\.9"),
+    (StepInput(1, [ScheduledChunk("r", [1], 11, [[], []])]), "does not continue"),
+    (StepInput(1, [ScheduledChunk("r", [1, 2, 3], 10, [[], []])]), "group 0 table has 3 blocks .* position 12"),
+    (StepInput(1, [ScheduledChunk("n", [1] * 9, 0, [[7, 8], [9, 10]])]), "first chunk on this worker must carry"),
+    (StepInput(1, [ScheduledChunk("n", [1, 2], 0, [[7], [0]])]),
+     r"group 1 \(sliding\) has the null block at logical blocks \[0\]"),
+    (StepInput(1, [ScheduledChunk("n", [1], 8, [[7, 8, 9], [0, 0, 10]])]), r"null block at logical blocks \[0, 1\]"),
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[50], [9]])]),
+     r"new_block_ids\[0\] holds ids outside \[0, 50\): \[50\]"),
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[7]])]), "must be 2 lists, one per KV-cache group"),
+    (StepInput(1, [ScheduledChunk("n", [100], 0, [[7], [8]])]), r"token_ids must be integers in \[0, 100\)"),
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[7], [8]], temperature=-1)]), "temperature"),
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[7], [8]]), ScheduledChunk("n", [1], 0, [[9], [10]])]),
+     "appears twice"),
+    (StepInput(1, [ScheduledChunk("r", [1], 10, [[], []]), ScheduledChunk("n", [1], 0, [[3], [8]])]),
+     "step writes block 3 for request 'n' group 0 and for request 'r' group 0"),
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[8], [8]])]), "step writes block 8"),
+    (StepInput(1, [ScheduledChunk("n", [1] * 5, 0, [[7, 7], [8, 9]])]), r"holds blocks \[7\] at two places"),
+    (StepInput(1, [], forget=["x"]), r"forget names request ids this worker does not hold: \['x'\]"),
+    (StepInput(1, [], forget=["r", "r"]), "duplicate"),
+])
+def test_inconsistent_deltas_raise_and_change_nothing(step, match):
+    w = _worker()
+    with pytest.raises(ValueError, match=match):
+        w.execute(step)
+    assert w.request_ids == ["r"] and w.block_table("r") == [[1, 2, 3], [4, 5, 6]]
+    w.execute(StepInput(2, [ScheduledChunk("r", [1], 10, [[], []])]))   # still in step with the engine
+
+
+def test_forget_then_restart_and_stale_mirror_entries():
+    w = _worker()
+    w.execute(StepInput(1, [ScheduledChunk("r", [1], 0, [[11], [12]])], forget=["r"]))   # preempted, restarted
+    assert w.block_table("r") == [[11], [12]]
+    w.execute(StepInput(2, [ScheduledChunk("r", list(range(15)), 1, [[13, 14, 15], [16, 17, 18]])]))
+    # At position 16 the window (8) reads from 9: group 1's block 0 was dropped and the engine reuses it.
+    w.execute(StepInput(3, [ScheduledChunk("r", [5], 16, [[19], [12]])]))
+    assert w.block_table("r")[1] == [12, 16, 17, 18, 12]          # the mirror keeps the stale entry
+    assert w.blocks_in_use("r") == [[11, 13, 14, 15, 19], [17, 18, 12]]
+
+
+def test_step_time_comes_from_the_cost_model():
+    cost = StepCostModel("gemma-3-27b", "H100-80GB", pipeline_parallel_size=2)
+    specs = kv_layout(layer_specs("gemma-3-27b"), 2).group_specs
+    assert len(specs) == 31
+    ids = [[g + 1] for g in range(31)]
+    step = StepInput(0, [ScheduledChunk("r", [1, 2, 3], 0, ids)])
+    whole = SimulatedWorker(specs, 100, vocab_size=262208, cost_model=cost).execute(step)
+    assert whole.simulated_time_s == cost.step([(0, 3)]).time_s
+    last = SimulatedWorker(specs, 100, vocab_size=262208, cost_model=cost, pipeline_stage=1).execute(step)
+    assert last.simulated_time_s == cost.step([(0, 3)]).stages[1].time_s
+    assert SimulatedWorker(specs, 100, vocab_size=262208).execute(step).simulated_time_s == 0.0
+    built = SimulatedWorker.for_model("gemma-3-27b", "H100-80GB", num_blocks=100, pipeline_parallel_size=2)
+    assert built.groups == list(specs) and built.vocab_size == 262208
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(group_specs=[], num_blocks=10, vocab_size=10), "group_specs"),
+    (dict(group_specs=HYBRID, num_blocks=1, vocab_size=10), "num_blocks"),
+    (dict(group_specs=HYBRID, num_blocks=10, vocab_size=0), "vocab_size"),
+    (dict(group_specs=HYBRID, num_blocks=10, vocab_size=10, sleep_factor=-1), "sleep_factor"),
+    (dict(group_specs=HYBRID, num_blocks=10, vocab_size=10, pipeline_stage=0), "pipeline_stage"),
+])
+def test_bad_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SimulatedWorker(**kwargs)
