@@ -11,11 +11,49 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .launch import serve_forever
+    build = dict(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
+                 pipeline_parallel_size=args.pipeline_parallel_size, block_size=args.block_size,
+                 num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                 enable_prefix_caching=not args.no_prefix_caching, num_gpus_per_worker=args.num_gpus_per_worker,
+                 spread_stages=args.spread_stages, simulated_gpu=args.simulated_gpu, device=args.device)
+    return serve_forever(build, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
+
+
+def _add_serve(sub) -> None:
+    from .planner import _positive_int, _size_arg
+    p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) on a local or existing Ray cluster")
+    p.add_argument("--model", default="default",
+                   help="local model directory, a tiny test model name, or 'default' (the bundled tiny hybrid model)")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=_positive_int, default=1)
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--num-blocks", type=_positive_int, default=None, help="KV pool size (default: from memory)")
+    p.add_argument("--kv-cache-memory", type=_size_arg, default=None, help="KV memory per device, e.g. 2GiB")
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--device", default=None, help="torch device for the workers (default: the model's)")
+    p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--spread-stages", action="store_true", help="place pipeline stages on different nodes")
+    p.add_argument("--simulated-gpu", default=None,
+                   help="serve a preset with simulated workers timed as on this GPU (e.g. H100-80GB)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_positive_int, default=8000)
+    p.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
+    p.add_argument("--num-cpus", type=_positive_int, default=None, help="logical CPUs of the local Ray runtime")
+    p.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swakv", description="Sliding-window-aware LLM serving on Ray.")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
     demo = sub.add_parser("demo", help="walk through the KV-cache manager on a hybrid layout")
     demo.set_defaults(func=_demo)
+    _add_serve(sub)
     from .planner import register as register_plan
     register_plan(sub)
     return parser

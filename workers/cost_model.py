@@ -88,7 +88,7 @@ class StepCostModel:
     def __init__(self, model, gpu, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         self.model: ModelPreset = load_model(model)
         self.gpu: GpuPreset = get_gpu(gpu)
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        tp = tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.model.num_attention_heads % tp:

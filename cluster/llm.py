@@ -1,0 +1,175 @@
+"""The offline ``LLM`` facade and ``build_engine``, which the Ray engine actor uses too."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvmanager.planning import kv_layout, split_stages
+
+from .engine import Engine, EngineConfig
+from .scheduler import SamplingParams
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "swakv-tiny-hybrid")
+DEFAULT_KV_CACHE_MEMORY = 256 << 20   # on CPU; a GPU run should pass what its memory leaves
+
+
+def resolve_model(model: str) -> str:
+    return DEFAULT_MODEL if model in (None, "default") else model
+
+
+def model_config(model: str):
+    """The model's (text) config without loading weights: a tiny-model name or a local directory."""
+    from workers.tiny_models import TINY_MODELS, tiny_config
+    model = resolve_model(model)
+    if model in TINY_MODELS:
+        return tiny_config(model)
+    if not os.path.isdir(model):
+        raise ValueError(f"model {model!r} is neither a local model directory nor one of {sorted(TINY_MODELS)}")
+    import transformers
+    return transformers.AutoConfig.from_pretrained(model, local_files_only=True).get_text_config()
+
+
+def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
+                 enable_prefix_caching: bool = True, use_ray: bool = False, device: str | None = None,
+                 seed: int = 0, num_gpus_per_worker: float = 0.0, spread_stages: bool = False,
+                 simulated_gpu: str | None = None, sleep_factor: float = 0.0):
+    """Check the layout, size the pool, start the workers; return (Engine, model info).
+
+    ``simulated_gpu`` (e.g. "H100-80GB") runs simulated workers for a preset or config.json ``model``,
+    timed by the cost model. Bad layouts (stages with different layer-kind mixes, sizes that do not
+    divide heads or layers) are refused here, before any worker loads weights.
+    """
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if simulated_gpu:
+        from workers.presets import get_gpu, load_model
+
+        from .planner import default_kv_memory
+        preset = load_model(model)
+        specs = preset.layer_specs(block_size)
+        limit = preset.config.get("max_position_embeddings") or 131072
+        vocab_size = preset.vocab_size
+        default_memory = default_kv_memory(preset, get_gpu(simulated_gpu), tp, pp)
+        common = dict(kind="simulated", model=model, gpu=simulated_gpu, tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp, sleep_factor=sleep_factor, seed=seed)
+        per_stage = [dict(pipeline_stage=i) for i in range(pp)]
+    else:
+        from workers.layer_kinds import check_parallel_sizes, layer_specs
+        model = resolve_model(model)
+        config = model_config(model)
+        check_parallel_sizes(config, tp, pp)
+        if tp != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet by the workers")
+        specs = layer_specs(config, block_size)
+        limit = getattr(config, "max_position_embeddings", None) or 4096
+        vocab_size = config.vocab_size
+        default_memory = DEFAULT_KV_CACHE_MEMORY
+        common = dict(model=model, seed=seed, device=device)
+        bounds, start = [], 0
+        for names in split_stages(list(specs), pp):
+            bounds.append((start, start + len(names)))
+            start += len(names)
+        per_stage = [dict(layers=b, stage=i) for i, b in enumerate(bounds)]
+    layout = kv_layout(specs, pp, tp)
+    if num_blocks is None:
+        num_blocks = layout.num_blocks(kv_cache_memory or default_memory)
+    max_model_len = max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+    stage_kwargs = [dict(common, **extra, block_size=block_size, num_blocks=num_blocks) for extra in per_stage]
+    if not simulated_gpu:
+        for kw in stage_kwargs:
+            kw["layout"] = layout
+    if use_ray:
+        from .executors import RayExecutor
+        executor = RayExecutor(stage_kwargs, num_gpus_per_worker=num_gpus_per_worker, spread_stages=spread_stages)
+    else:
+        from .executors import LocalExecutor
+        executor = LocalExecutor(stage_kwargs)
+    engine = Engine(executor, layout.group_specs, num_blocks,
+                    EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                                 max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+                                 vocab_size=vocab_size))
+    info = {"model": os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model,
+            "model_path": model, "max_model_len": max_model_len, "num_blocks": num_blocks,
+            "num_groups": len(layout.group_specs), "block_size": block_size, "simulated_gpu": simulated_gpu,
+            "vocab_size": vocab_size,
+            "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    return engine, info
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    finish_reason: str
+    text: str | None = None
+
+
+class LLM:
+    """Offline batch generation: ``LLM(model).generate([[1, 2, 3], ...], max_tokens=32)``. Greedy by default."""
+
+    def __init__(self, model: str = "default", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 block_size: int = 16, num_blocks: int | None = None, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, **kwargs):
+        self.engine, self.info = build_engine(
+            model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, **kwargs)
+        self._tokenizer = None
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .tokenizer import load_tokenizer
+            path = self.info["model_path"]
+            self._tokenizer = load_tokenizer(path if os.path.isdir(path) else None)
+        return self._tokenizer
+
+    def generate(self, prompts, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
+                 stop_token_ids=(), use_tqdm: bool = False) -> list[CompletionOutput]:
+        """Prompts: lists of token ids, or strings (tokenized with the model's tokenizer)."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                stop_token_ids=tuple(stop_token_ids))
+        texts = [isinstance(p, str) for p in prompts]
+        token_prompts = [self.tokenizer.encode(p) if t else list(p) for p, t in zip(prompts, texts)]
+        ids = []
+        for tokens in token_prompts:   # all validated and queued, or none (the first bad one raises)
+            ids.append(f"llm-{self._counter}")
+            self._counter += 1
+        added = []
+        try:
+            for rid, tokens in zip(ids, token_prompts):
+                self.engine.add_request(rid, tokens, params)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        outputs = {rid: [] for rid in ids}
+        reasons = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(ids), desc="generate", unit="req")
+        while len(reasons) < len(ids):
+            if not self.engine.has_work():
+                raise RuntimeError("engine went idle with unfinished requests")  # never expected
+            for update in self.engine.step():
+                if update.request_id in outputs:
+                    outputs[update.request_id].extend(update.new_token_ids)
+                    if update.finished:
+                        reasons[update.request_id] = update.finish_reason
+                        if progress:
+                            progress.update(1)
+        if progress:
+            progress.close()
+        return [CompletionOutput(rid, tokens, outputs[rid], reasons[rid],
+                                 self.tokenizer.decode(outputs[rid]) if is_text else None)
+                for rid, tokens, is_text in zip(ids, token_prompts, texts)]

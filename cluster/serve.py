@@ -1,0 +1,369 @@
+"""The OpenAI-compatible Ray Serve application in front of the named engine actor.
+
+Replicas hold no model: they tokenise, validate, and relay the engine's per-request token streams, so
+several replicas can share one engine. Everything a client can get wrong is answered with a 4xx and a
+JSON error body before the engine sees the request; an engine that dies mid-request turns into a 503
+(an SSE error event once a stream has started) that says the request can be retried, and the next
+request looks the engine up again. A client that goes away cancels its engine stream, which aborts the
+request there. Sampling is greedy unless ``temperature`` is set; ``max_tokens`` defaults to 16.
+"""
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from typing import Literal
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray import serve
+from ray.exceptions import RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .tokenizer import StreamDecoder, load_tokenizer
+
+ENGINE_CALL_TIMEOUT_S = 30.0
+RETRY_MESSAGE = "the engine restarted while serving this request; it can be retried"
+
+
+# -- request bodies -----------------------------------------------------------------------------
+class _Body(BaseModel):
+    # Strict: "16" is not a number and 1 is not a bool. Unused OpenAI options are ignored.
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    seed: int | None = None
+    n: Literal[1] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict | None = None
+
+    @model_validator(mode="after")
+    def _no_stop_strings(self):
+        if self.stop:
+            raise ValueError("stop strings are not supported; use stop_token_ids")
+        return self
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# -- errors -------------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _engine_restarted() -> APIError:
+    return APIError(503, RETRY_MESSAGE, "engine_restarted")
+
+
+def _from_engine(exc: BaseException) -> APIError:
+    """An engine-side exception as the client should see it; the engine's ValueErrors are the client's."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RayActorError):
+        return _engine_restarted()
+    cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the engine's own exception
+    if isinstance(cause, (ValueError, TypeError)):
+        return APIError(400, str(cause))
+    return APIError(503, f"engine error: {cause}", "engine_error")
+
+
+def _validation_message(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors(include_url=False):
+        if e["type"] == "json_invalid":
+            return f"request body is not valid JSON: {e['ctx'].get('error', e['msg'])}"
+        loc = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    return "; ".join(parts)
+
+
+async def _parse(request: Request, body_type: type[_Body]) -> _Body:
+    try:
+        return body_type.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise APIError(400, _validation_message(err)) from None
+
+
+# -- the application ----------------------------------------------------------------------------
+app = FastAPI(title="swakv", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return APIError(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
+                    else "invalid_request_error").response()
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _stop(engine, stream, request_id: str) -> None:
+    """Cancel the engine's stream (its generator aborts the request) and abort it outright as well."""
+    try:
+        ray.cancel(stream)
+        engine.abort.remote(request_id)
+    except RayActorError:
+        pass  # the engine is gone, and the request with it
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# name, stats key, type, help
+_METRICS = (
+    ("swakv_requests_running", "running", "gauge", "Requests being computed."),
+    ("swakv_requests_waiting", "waiting", "gauge", "Requests queued or preempted."),
+    ("swakv_kv_cache_usage_ratio", "kv_usage", "gauge", "Fraction of KV blocks in use."),
+    ("swakv_prefix_cache_hit_rate", "prefix_hit_rate", "gauge", "Prefix-cache hit tokens over queried tokens."),
+    ("swakv_prefix_cache_queried_tokens_total", "prefix_queried_tokens", "counter", "Prompt tokens looked up."),
+    ("swakv_prefix_cache_hit_tokens_total", "prefix_hit_tokens", "counter", "Prompt tokens found cached."),
+    ("swakv_preemptions_total", "preemptions", "counter", "Requests preempted for lack of KV blocks."),
+    ("swakv_steps_total", "steps", "counter", "Engine steps run."),
+    ("swakv_scheduled_tokens_total", "scheduled_tokens", "counter", "Tokens computed by engine steps."),
+    ("swakv_step_time_seconds_mean", "mean_step_time_s", "gauge", "Mean wall time of an engine step."),
+    ("swakv_step_time_seconds_last", "last_step_time_s", "gauge", "Wall time of the last engine step."),
+    ("swakv_delta_bytes_total", "delta_bytes", "counter", "Encoded block-table delta bytes sent to workers."),
+    ("swakv_worker_restarts_total", "worker_restarts", "counter", "Worker-group restarts after a failure."),
+    ("swakv_recomputed_requests_total", "recomputed_requests", "counter", "Requests recomputed after a restart."),
+)
+
+
+def prometheus_text(stats: dict) -> str:
+    """The engine's stats in the Prometheus text exposition format (version 0.0.4)."""
+    lines = []
+
+    def family(name, kind, help_, samples):
+        lines.extend((f"# HELP {name} {help_}", f"# TYPE {name} {kind}"))
+        lines.extend(f"{name}{labels} {float(value)!r}" for labels, value in samples)
+
+    for name, key, kind, help_ in _METRICS:
+        if key in stats:
+            family(name, kind, help_, [("", stats[key])])
+    family("swakv_kv_cache_group_usage_ratio", "gauge", "Fraction of KV blocks held by each KV-cache group.",
+           [(f'{{group="{g}"}}', u) for g, u in enumerate(stats.get("kv_usage_per_group", []))])
+    family("swakv_requests_finished_total", "counter", "Finished requests by reason.",
+           [(f'{{reason="{r}"}}', n) for r, n in sorted(stats.get("finished", {}).items())])
+    return "\n".join(lines) + "\n"
+
+
+@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIServer:
+    def __init__(self, engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None,
+                 max_model_len: int):
+        self.engine_name, self.namespace = engine_name, namespace
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.created = int(time.time())
+        self._engine = None
+        self._vocab_size = self.tokenizer.vocab_size
+
+    # -- engine connection ------------------------------------------------------------------------
+    async def _connect(self):
+        if self._engine is None:
+            try:
+                engine = ray.get_actor(self.engine_name, namespace=self.namespace)
+                info = await asyncio.wait_for(engine.ready.remote(), ENGINE_CALL_TIMEOUT_S)
+            except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
+                raise APIError(503, f"engine {self.engine_name!r} is not available ({type(exc).__name__}); "
+                               "the request can be retried", "engine_restarted") from None
+            self._vocab_size = (info or {}).get("vocab_size", self._vocab_size)
+            self._engine = engine
+        return self._engine
+
+    async def _call(self, method: str):
+        engine = await self._connect()
+        try:
+            return await asyncio.wait_for(getattr(engine, method).remote(), ENGINE_CALL_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError):
+            self._engine = None
+            raise _engine_restarted() from None
+
+    async def _start(self, request_id: str, prompt_ids: list[int], params: dict):
+        """Submit and await the first item, so a refused request is an HTTP error, not a broken stream."""
+        for attempt in (0, 1):  # a handle cached from a dead engine gets one fresh look-up
+            engine = await self._connect()
+            stream = engine.generate.options(num_returns="streaming").remote(request_id, prompt_ids, params)
+            try:
+                return engine, stream, await (await stream.__anext__())
+            except RayActorError:
+                self._engine = None
+                if attempt:
+                    raise _engine_restarted() from None
+            except asyncio.CancelledError:  # the client left before the first token
+                _stop(engine, stream, request_id)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine's own refusal
+                raise _from_engine(exc) from None
+
+    async def _items(self, request_id: str, prompt_ids: list[int], params: dict):
+        """The engine's items for one request; if the consumer stops early, the engine stops too."""
+        engine, stream, item = await self._start(request_id, prompt_ids, params)
+        try:
+            yield item
+            while not item["finished"]:
+                item = await (await stream.__anext__())
+                yield item
+        except RayActorError:
+            self._engine = None
+            raise _engine_restarted() from None
+        except Exception as exc:  # noqa: BLE001
+            raise _from_engine(exc) from None
+        finally:
+            if not item["finished"]:
+                _stop(engine, stream, request_id)
+
+    # -- shared request handling -----------------------------------------------------------------
+    def _params(self, body: _Body, max_tokens: int | None) -> dict:
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error")
+        stop = list(body.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None and not body.ignore_eos:
+            stop.append(self.tokenizer.eos_token_id)
+        return {"max_tokens": max_tokens or 16, "temperature": body.temperature,
+                "seed": body.seed if body.seed is not None else random.getrandbits(63),
+                "stop_token_ids": tuple(stop)}
+
+    def _check_ids(self, ids: list[int], field: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}")
+
+    async def _respond(self, kind: str, body: _Body, prompt_ids: list[int], params: dict):
+        await self._connect()  # learn the engine's vocabulary before checking ids against it
+        self._check_ids(prompt_ids, "prompt")
+        self._check_ids(list(params["stop_token_ids"]), "stop_token_ids")
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        items = self._items(request_id, prompt_ids, params)
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            first = await anext(items)  # errors before the first token are still plain HTTP errors
+            usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._sse_stream(kind, head, first, items, len(prompt_ids), usage),
+                                     media_type="text/event-stream")
+        token_ids, reason = [], None
+        async for item in items:
+            token_ids += item["token_ids"]
+            reason = item["finish_reason"]
+        text = self.tokenizer.decode(token_ids)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            head["object"] = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+            head["object"] = "text_completion"
+        choice.update(token_ids=token_ids, finish_reason=reason)
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), len(token_ids))}
+
+    async def _sse_stream(self, kind: str, head: dict, first: dict, items, num_prompt: int, usage: bool):
+        head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+        decoder = StreamDecoder(self.tokenizer)
+        if kind == "chat":
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "finish_reason": None}]})
+        item = first
+        try:
+            while True:
+                text = decoder.add(item["token_ids"], final=item["finished"])
+                choice = {"index": 0, "delta": {"content": text}} if kind == "chat" \
+                    else {"index": 0, "text": text, "logprobs": None}
+                choice.update(token_ids=item["token_ids"], finish_reason=item["finish_reason"])
+                yield _sse({**head, "choices": [choice]})
+                if item["finished"]:
+                    break
+                item = await anext(items)
+            if usage:
+                yield _sse({**head, "choices": [], "usage": _usage(num_prompt, len(decoder.token_ids))})
+        except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel in the stream
+            yield _sse(_from_engine(exc).body())
+        finally:
+            await items.aclose()  # a client that went away stops the engine stream now, not at GC
+        yield _sse("[DONE]")
+
+    # -- routes ---------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        body = await _parse(request, CompletionBody)
+        params = self._params(body, body.max_tokens)
+        prompt = body.prompt
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self._respond("completion", body, prompt_ids, params)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        body = await _parse(request, ChatBody)
+        params = self._params(body, body.max_completion_tokens or body.max_tokens)
+        prompt_ids = self.tokenizer.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+        return await self._respond("chat", body, prompt_ids, params)
+
+    @app.get("/v1/models")
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "swakv", "max_model_len": self.max_model_len}]}
+
+    @app.get("/health")
+    async def health(self):
+        await self._call("ready")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        return PlainTextResponse(prometheus_text(await self._call("stats")),
+                                 media_type="text/plain; version=0.0.4")
+
+
+def build_app(engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None = None,
+              max_model_len: int = 4096):
+    """A bound Serve application for ``serve.run``; the engine actor is found by name when needed."""
+    return OpenAIServer.bind(engine_name, namespace, model_name, tokenizer_dir, max_model_len)
+
+
+def run(app, host: str = "127.0.0.1", port: int = 8000, name: str = "swakv"):
+    """Serve ``app`` over HTTP on ``host:port`` (Ray must be initialised); returns the deployment handle."""
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(app, name=name, route_prefix="/")

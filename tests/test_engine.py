@@ -1,0 +1,115 @@
+"""The engine end to end on tiny models: exact greedy tokens through chunked prefill, prefix hits,
+preemption, pipeline stages, worker loss; and refusals before anything starts.
+
+The expected tokens always come from transformers' own dense ``generate`` on the same seeded model.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+
+from cluster.llm import LLM, build_engine
+from cluster.scheduler import SamplingParams
+from workers.tiny_models import build_tiny_model
+
+
+@functools.cache
+def reference(model: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    m = build_tiny_model(model, seed=0)
+    out = m.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+# Six prompts, 20..35 tokens (windows are 8), the last sharing the first one's 20-token prefix.
+PROMPTS = [[(7 * i + j) % 256 for j in range(20 + 3 * i)] for i in range(5)] + [[j % 256 for j in range(20)] + [1, 2, 3]]
+
+
+def test_llm_matches_transformers_through_chunked_prefill_hits_and_preemption():
+    # 40 blocks of 4 tokens cannot hold six requests of ~40 tokens in 4 groups: some are preempted.
+    llm = LLM("tiny-gemma3", block_size=4, num_blocks=40, max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS, max_tokens=12)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.output_token_ids == reference("tiny-gemma3", tuple(prompt), 12)
+        assert out.finish_reason == "length"
+    stats = llm.engine.stats()
+    assert stats["preemptions"] >= 1
+    assert stats["prefix_hit_tokens"] > 0
+    assert llm.engine.manager.num_free_blocks == 39      # everything returned to the pool
+
+
+@pytest.mark.parametrize("model", ["tiny-mistral", "tiny-gemma2", "tiny-llama"])
+def test_pipeline_of_two_stages_gives_the_same_tokens(model):
+    llm = LLM(model, pipeline_parallel_size=2, block_size=4, num_blocks=200, max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS[:3], max_tokens=10)
+    assert [o.output_token_ids for o in outs] == [reference(model, tuple(p), 10) for p in PROMPTS[:3]]
+
+
+def test_stages_with_different_layer_kinds_are_refused_before_loading():
+    # tiny-llama4: layers 0-2 chunked local, layer 3 full: stage 0 would have no full-attention layer.
+    with pytest.raises(ValueError, match=r"different mixes of layer kinds.*stage 0 \(layers model.layers.0.self_attn"
+                                         r"..model.layers.1.self_attn\): 2 x chunked_local\(chunk=8\); stage 1 .*"
+                                         r"1 x chunked_local\(chunk=8\), 1 x full"):
+        build_engine("tiny-llama4", pipeline_parallel_size=2, block_size=4, use_ray=True)  # no Ray needed: refused first
+
+
+def test_parallel_sizes_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 does not divide num_hidden_layers=4"):
+        build_engine("tiny-gemma3", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        build_engine("tiny-gemma3", tensor_parallel_size=3)
+
+
+def test_bad_requests_are_refused_and_nothing_is_queued():
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=64, max_model_len=256)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.add_request("a", [1, 2, 256])
+    with pytest.raises(ValueError, match="leaves no room"):
+        engine.add_request("b", list(range(256)))
+    # 64 blocks of 4 tokens, 4 groups: 100 + 150 = 250 tokens need ceil(250/4) = 63 full-attention blocks
+    # + 3 sliding groups x (ceil((8-1)/4) + 1 = 3) = 72 > 63 allocatable (block 0 is the null block)
+    with pytest.raises(ValueError, match="250 tokens need up to 72 KV blocks, the pool has 63"):
+        engine.add_request("c", [1] * 100, SamplingParams(max_tokens=150))
+    with pytest.raises(ValueError, match="max_tokens must be"):
+        engine.add_request("d", [1, 2], SamplingParams(max_tokens=0))
+    engine.add_request("e", [1, 2, 3])
+    with pytest.raises(ValueError, match="duplicate request id 'e'"):
+        engine.add_request("e", [1, 2, 3])
+    assert [s.request_id for s in engine.scheduler.waiting] == ["e"]
+
+
+def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
+    ray = ray_runtime
+    engine, _ = build_engine("tiny-gemma2", block_size=4, num_blocks=200, max_num_batched_tokens=16, use_ray=True)
+    try:
+        for i, prompt in enumerate(PROMPTS[:4]):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10))
+        tokens = {f"r{i}": [] for i in range(4)}
+        finished = {}
+        steps = 0
+        while engine.has_work():
+            if steps == 6:    # mid-generation: some prompts done, some decoding
+                victim = engine.executor.actors[0]
+                ray.kill(victim, no_restart=True)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:   # wait until Ray reports it dead
+                    try:
+                        ray.get(victim.pid.remote(), timeout=5)
+                    except Exception:  # noqa: BLE001 - any error means it is gone
+                        break
+            for u in engine.step():
+                tokens[u.request_id] += u.new_token_ids
+                if u.finished:
+                    assert u.request_id not in finished      # answered once
+                    finished[u.request_id] = u.finish_reason
+            steps += 1
+        stats = engine.stats()
+        assert stats["worker_restarts"] == 1
+        assert stats["recomputed_requests"] >= 1
+        assert finished == {f"r{i}": "length" for i in range(4)}
+        for i, prompt in enumerate(PROMPTS[:4]):
+            assert tokens[f"r{i}"] == reference("tiny-gemma2", tuple(prompt), 10)
+    finally:
+        engine.executor.shutdown()

@@ -1,0 +1,357 @@
+"""The Ray Serve application end to end: real HTTP, a real engine actor on a tiny hybrid model.
+
+Expected tokens come from transformers' own dense greedy decode of the same tiny model (seed 0), never
+from the server. Ray and Serve start once for the whole module; the engine-restart test runs last.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import functools
+import json
+import time
+
+import httpx
+import pytest
+import ray
+import torch
+from ray import serve
+
+from cluster.engine_actor import NAMESPACE
+from cluster.launch import start_engine_actor
+from cluster.serve import build_app, run
+from cluster.tokenizer import StreamDecoder, load_tokenizer
+from workers.tiny_models import build_tiny_model
+
+from conftest import ROOT
+
+MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: four KV-cache groups, one layer each
+ENGINE = "test-serve-engine"
+BLOCK, NUM_BLOCKS, MAX_LEN = 4, 512, 1024
+
+
+_handles = []   # a named actor lives only as long as a handle from its creator does
+
+
+def start_engine():
+    """The real start-up path: the named engine actor places a worker actor and loads the model."""
+    handle, _ = start_engine_actor(dict(model=MODEL, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN),
+                                   name=ENGINE, max_restarts=0, timeout_s=120)
+    _handles.append(handle)
+
+
+def engine_stats() -> dict:
+    return ray.get(ray.get_actor(ENGINE, namespace=NAMESPACE).stats.remote(), timeout=30)
+
+
+# -- the dense reference ---------------------------------------------------------------------------
+@functools.cache
+def _reference_model():
+    return build_tiny_model(MODEL, seed=0)
+
+
+@functools.cache
+def greedy(prompt_ids: tuple[int, ...], max_tokens: int) -> list[int]:
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(_reference_model()(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def text_of(token_ids) -> str:
+    return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+def chat_ids(*turns: tuple[str, str]) -> tuple[int, ...]:
+    text = "".join(f"<|{role}|>\n{content}\n" for role, content in turns) + "<|assistant|>\n"
+    return tuple(text.encode())
+
+
+# -- fixtures and helpers --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def url(ray_runtime):
+    try:
+        start_engine()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        run(build_app(ENGINE, NAMESPACE, MODEL, None, MAX_LEN), port=port, name="test-serve")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        for handle in _handles:
+            ray.kill(handle, no_restart=True)
+        _handles.clear()
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of an SSE body, with the final ``[DONE]`` kept as the string."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def stream(url: str, path: str, body: dict) -> list:
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r.iter_lines())
+
+
+def wait_for(running: int, timeout_s: float = 30.0) -> dict:
+    """The engine's stats once ``running`` requests run and none wait (or the last ones seen, after the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine_stats()
+        if (stats["running"], stats["waiting"]) == (running, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def wait_idle() -> dict:
+    return wait_for(0)
+
+
+PROMPT = "The sliding window"
+
+
+# -- tokenizers (no Ray) ---------------------------------------------------------------------------
+def test_byte_tokenizer_and_stream_decoder_keep_characters_whole():
+    tok = load_tokenizer(None)
+    assert tok.encode("hé") == [104, 195, 169] and tok.eos_token_id is None
+    assert tok.chat_prompt([{"role": "user", "content": "hi"}]) == list(b"<|user|>\nhi\n<|assistant|>\n")
+    decoder = StreamDecoder(tok)
+    deltas = [decoder.add([104]), decoder.add([195]), decoder.add([169]), decoder.add([226, 130])]
+    assert deltas == ["h", "", "\u00e9", ""]
+    assert decoder.add([], final=True) == "\ufffd"   # a character that never finished
+    assert decoder.sent == tok.decode([104, 195, 169, 226, 130]) == "h\u00e9\ufffd"
+
+
+def test_model_tokenizer_is_used_when_the_directory_has_one(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<eos>": 0, "hello": 1, "world": 2, "[UNK]": 3, "user": 4, ":": 5},
+                                       unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>", unk_token="[UNK]")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert (tok.encode("hello world moon"), tok.eos_token_id, tok.vocab_size) == ([1, 2, 3], 0, 6)
+    assert tok.decode([1, 2, 0]) == "hello world"
+    assert tok.chat_prompt([{"role": "user", "content": "hello"}]) == [4, 5, 1]
+    assert isinstance(load_tokenizer(ROOT / "tests"), type(load_tokenizer(None)))   # no tokenizer files there
+
+
+# -- the application -------------------------------------------------------------------------------
+def test_completion_matches_dense_greedy(url):
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    expected = greedy(tuple(PROMPT.encode()), 12)
+    choice = out["choices"][0]
+    assert out["object"] == "text_completion" and out["model"] == MODEL and out["id"].startswith("cmpl-")
+    assert choice["token_ids"] == expected
+    assert choice["text"] == text_of(expected)
+    assert choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 18, "completion_tokens": 12, "total_tokens": 30}
+
+
+def test_streaming_completion_with_token_id_prompt(url):
+    prompt = [7, 200, 13, 99, 0, 255, 42, 42, 42, 1, 2, 3, 4, 5, 6, 7, 8]
+    events = stream(url, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "stream": True,
+                                             "stream_options": {"include_usage": True}})
+    expected = greedy(tuple(prompt), 10)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text_of(expected)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 9 + ["length"]
+    assert events[-2]["usage"] == {"prompt_tokens": 17, "completion_tokens": 10, "total_tokens": 27}
+
+
+def test_chat_streaming_and_not(url):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    expected = greedy(chat_ids(("system", "Be brief."), ("user", "Hi there")), 8)
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 8}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": text_of(expected)}
+    assert out["choices"][0]["token_ids"] == expected
+    assert out["usage"]["prompt_tokens"] == len(chat_ids(("system", "Be brief."), ("user", "Hi there")))
+
+    events = stream(url, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 8,
+                                                  "stream": True})
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    chunks = events[1:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == text_of(expected)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_clients_all_get_complete_answers(url):
+    prompts = [f"client {i} asks about windows" + "." * i for i in range(8)]
+    lengths = [6 + i for i in range(8)]
+
+    async def one(client, i):
+        body = {"prompt": prompts[i], "max_tokens": lengths[i], "stream": i % 2 == 1}
+        if not body["stream"]:
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = sse_events([line async for line in r.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        return [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    got = asyncio.run(main())
+    assert got == [greedy(tuple(p.encode()), n) for p, n in zip(prompts, lengths)]
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"prompt": "hi", ', 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "Input should be an object"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt: Field required"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "16"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n: Input should be 1"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\n"]}, 400, "stop strings are not supported"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
+    ("/v1/completions", {"prompt": [1, 256, 3]}, 400, "token ids must lie in [0, 256), got [256]"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt_token_ids is empty"),
+    ("/v1/completions", {"prompt": "x" * MAX_LEN, "stream": True}, 400, f"max_model_len={MAX_LEN}"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "stream": True}, 400, "content"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,needle", BAD_REQUESTS)
+def test_bad_requests_get_4xx_json(url, path, body, status, needle):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url + path, headers={"content-type": "application/json"}, timeout=60, **kwargs)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert needle in error["message"]
+    assert error["code"] == status
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+
+
+def test_unknown_route_and_nothing_left_behind(url):
+    r = httpx.get(url + "/v1/nothing", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(url + "/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    stats = wait_idle()
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+
+
+def test_models_health_metrics(url):
+    models = httpx.get(url + "/v1/models", timeout=30).json()
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, MAX_LEN)]
+    health = httpx.get(url + "/health", timeout=30)
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+
+    wait_idle()
+    r = httpx.get(url + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in r.text.splitlines():
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    stats = engine_stats()   # no traffic in between: the same numbers the endpoint rendered
+    assert samples["swakv_requests_running"] == 0.0 and samples["swakv_requests_waiting"] == 0.0
+    assert samples["swakv_kv_cache_usage_ratio"] == stats["kv_usage"]
+    assert samples["swakv_prefix_cache_hit_rate"] == stats["prefix_hit_rate"]
+    assert samples["swakv_preemptions_total"] == stats["preemptions"]
+    assert samples["swakv_steps_total"] == stats["steps"] > 0
+    assert samples["swakv_step_time_seconds_mean"] == stats["mean_step_time_s"] > 0
+    assert samples["swakv_delta_bytes_total"] == stats["delta_bytes"]
+    assert samples["swakv_worker_restarts_total"] == 0.0
+    # 3 sliding layers + 1 full: groups one layer wide (gcd 1), three sliding groups then one full
+    assert [k for k in samples if k.startswith("swakv_kv_cache_group_usage_ratio")] == [
+        f'swakv_kv_cache_group_usage_ratio{{group="{g}"}}' for g in range(4)]
+    assert samples['swakv_requests_finished_total{reason="length"}'] == stats["finished"]["length"]
+
+
+def test_client_disconnect_aborts_the_request(url):
+    before = wait_idle()["finished"].get("length", 0)
+    body = {"prompt": "go on and on", "max_tokens": 1000}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+        assert engine_stats()["running"] == 1
+    stats = wait_idle()   # the connection is closed: the engine must drop the request long before 1000 tokens
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+
+    async def leave_while_waiting():   # a non-streaming client that goes away
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json=body))
+            assert (await asyncio.to_thread(wait_for, 1))["running"] == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave_while_waiting())
+    stats = wait_idle()
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+    assert stats["finished"].get("length", 0) == before   # both were aborted, not run to their end
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12}, timeout=60)
+    assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 12)
+
+
+def test_engine_restart_fails_in_flight_requests_with_retryable_503(url):
+    """Runs last: kills the engine mid-generation, then serves again once a new engine has the name."""
+    body = {"prompt": "until the engine dies", "max_tokens": 1000}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            plain = asyncio.create_task(client.post("/v1/completions", json=body))
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break
+                assert (await asyncio.to_thread(wait_for, 2))["running"] == 2   # both are in the engine
+                ray.kill(ray.get_actor(ENGINE, namespace=NAMESPACE), no_restart=True)
+                events = sse_events([line async for line in lines])
+            return await plain, events
+
+    plain, events = asyncio.run(main())
+    assert plain.status_code == 503
+    assert plain.json()["error"]["type"] == "engine_restarted" and "retried" in plain.json()["error"]["message"]
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert (error["type"], error["code"]) == ("engine_restarted", 503) and "retried" in error["message"]
+
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_restarted"
+
+    start_engine()
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 12)

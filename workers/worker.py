@@ -1,0 +1,285 @@
+"""A worker: one model shard, its paged K/V tensors and the append-only block-table mirrors.
+
+The engine sends only block-table deltas (``ScheduledChunk.new_block_ids``). The worker appends them to
+its mirror per request and KV-cache group, turns the step into packed tensors, runs its pipeline stage
+and, on the last stage, samples. A step is checked whole before anything changes: a bad delta leaves
+the mirrors and the cache as they were.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import transformers
+
+from kvmanager.planning import KVLayout, kv_layout
+from kvmanager.specs import AttentionSpec
+from workers.layer_kinds import LAYER_NAME, layer_specs
+from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
+                                  stage_range)
+from workers.protocol import ScheduledChunk, StepInput, StepOutput
+from workers.tiny_models import TINY_MODELS, build_tiny_model
+
+NULL_BLOCK_ID = 0
+
+
+def load_model(source: Any, seed: int = 0) -> transformers.PreTrainedModel:
+    """A model instance from itself, a tiny-model name, a local model dir, or a config (random, seeded)."""
+    if isinstance(source, transformers.PreTrainedModel):
+        return source
+    if isinstance(source, str) and source in TINY_MODELS:
+        return build_tiny_model(source, seed=seed)
+    if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+        has_weights = any(f.endswith((".safetensors", ".bin")) for f in os.listdir(source))
+        if has_weights:
+            return transformers.AutoModelForCausalLM.from_pretrained(source, dtype="auto", local_files_only=True)
+        source = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    if isinstance(source, dict):
+        if "model_type" not in source:
+            raise ValueError("model config dict needs a model_type")
+        fields = {k: v for k, v in source.items() if k != "model_type"}
+        source = transformers.AutoConfig.for_model(source["model_type"], **fields)
+    if isinstance(source, transformers.PretrainedConfig):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return transformers.AutoModelForCausalLM.from_config(source).eval()
+    raise ValueError(f"model must be a PreTrainedModel, one of {sorted(TINY_MODELS)}, a local model directory or "
+                     f"a config; got {source!r}")
+
+
+class Worker:
+    """One pipeline stage (all layers by default) of one model on one device."""
+
+    def __init__(self, model: Any, *, block_size: int, num_blocks: int, layers: tuple[int, int] | None = None,
+                 layout: KVLayout | None = None, stage: int | None = None, seed: int = 0,
+                 device: str | None = None, tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0,
+                 tensor_parallel_group=None):
+        """``layout``/``stage``: the engine's plan (``kvmanager.planning.kv_layout``); without them the
+        worker derives the same plan from its own layer range (equal stages, as the engine splits)."""
+        model = load_model(model, seed)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+        check_tensor_parallel(model, tensor_parallel_size, tensor_parallel_rank)
+        config = model.config.get_text_config()
+        specs = _layer_specs(model, block_size)
+        start, end = stage_range(len(specs), layers)
+        if layout is None:
+            layout, stage = _own_layout(specs, start, end, tensor_parallel_size)
+        plan = layout.stages[stage or 0]
+        held = range(start, end)
+        if plan.layers != tuple(LAYER_NAME.format(i) for i in held):
+            raise ValueError(f"layers {start}-{end - 1} are not stage {stage} of the layout "
+                             f"({plan.layers[0]}..{plan.layers[-1]})")
+        shapes = {(specs[i].num_kv_heads // tensor_parallel_size, specs[i].head_size) for i in held}
+        if len(shapes) != 1:
+            raise ValueError(f"layers {start}-{end - 1} have different KV shapes {sorted(shapes)}; layers of one "
+                             "stage share K/V tensors, so they must agree")
+        self.groups = list(layout.group_specs)
+        if device is not None:
+            model = model.to(device)
+        self.stage = StageModel(model, layers)
+        shard_tensor_parallel(self.stage, tensor_parallel_size, tensor_parallel_rank, tensor_parallel_group)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.vocab_size = config.vocab_size
+        self.device = next(model.parameters()).device
+        (kv_heads, head_size), = shapes
+        # One K/V tensor pair per slot; the layer at slot t of every group uses pair t at its group's ids.
+        pairs = [tuple(torch.zeros(num_blocks, block_size, kv_heads, head_size, dtype=model.dtype,
+                                   device=self.device) for _ in "kv") for _ in range(plan.layers_per_group)]
+        slots = {i: plan.layer_slots[LAYER_NAME.format(i)] for i in held}
+        self.kv = PagedKV(caches={i: pairs[slots[i][1]] for i in held},
+                          specs={i: specs[i] for i in held},
+                          groups={i: slots[i][0] for i in held})
+        self._tables: dict[str, list[list[int]]] = {}
+
+    @classmethod
+    def from_kv_budget(cls, model: Any, *, block_size: int, kv_budget_bytes: int,
+                       layers: tuple[int, int] | None = None, seed: int = 0, **kwargs) -> "Worker":
+        """As many blocks as ``kv_budget_bytes`` holds for the layers this stage keeps."""
+        model = load_model(model, seed)
+        specs = _layer_specs(model, block_size)
+        start, end = stage_range(len(specs), layers)
+        layout, _ = _own_layout(specs, start, end, kwargs.get("tensor_parallel_size", 1))
+        per_block = layout.block_bytes
+        num_blocks = layout.num_blocks(kv_budget_bytes)
+        if num_blocks < 2:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds {num_blocks} blocks of {per_block} bytes; "
+                             "at least 2 are needed (block 0 is the null block)")
+        return cls(model, block_size=block_size, num_blocks=num_blocks, layers=layers, **kwargs)
+
+    def kv_cache_bytes(self) -> int:
+        tensors = {id(t): t for pair in self.kv.caches.values() for t in pair}   # slots are shared by groups
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def block_table(self, request_id: str) -> list[list[int]]:
+        """The mirror of one request's block tables, one list per group (a copy)."""
+        return [list(t) for t in self._tables[request_id]]
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._tables)
+
+    def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> StepOutput | torch.Tensor:
+        """Run one step: a ``StepOutput`` from the last stage, hidden states for the next stage otherwise."""
+        out = self.forward(step, hidden_states)
+        if not self.stage.is_last:
+            return out
+        chunks = [c for c in step.chunks if c.sample]
+        return StepOutput(step_id=step.step_id, sampled=dict(zip((c.request_id for c in chunks),
+                                                                 _sample(out, chunks))))
+
+    def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
+        tables = self.check(step)
+        self._check_hidden(step, hidden_states)
+        for request_id in step.forget:
+            del self._tables[request_id]
+        self._tables.update(tables)
+        if not step.chunks:
+            width = self.vocab_size if self.stage.is_last else self.stage.hidden_size
+            return torch.zeros(0, width, device=self.device)
+        batch = self._batch(step.chunks)
+        input_ids = None
+        if self.stage.is_first:
+            input_ids = torch.tensor([t for c in step.chunks for t in c.token_ids], device=self.device)
+        return self.stage.forward(self.kv, batch, input_ids=input_ids, hidden_states=hidden_states)
+
+    def check(self, step: StepInput) -> dict[str, list[list[int]]]:
+        """Validate a step without changing anything; return the tables its chunks will have."""
+        if not isinstance(step, StepInput):
+            raise TypeError(f"step must be a StepInput, got {type(step).__name__}")
+        forget = list(step.forget)
+        for request_id in forget:
+            if request_id not in self._tables:
+                raise ValueError(f"forget: unknown request id {request_id!r}")
+        if len(set(forget)) != len(forget):
+            raise ValueError(f"forget: duplicate request ids in {forget}")
+        tables: dict[str, list[list[int]]] = {}
+        for chunk in step.chunks:
+            if not isinstance(chunk, ScheduledChunk):
+                raise TypeError(f"chunks must hold ScheduledChunk, got {type(chunk).__name__}")
+            if chunk.request_id in tables:
+                raise ValueError(f"request_id {chunk.request_id!r} appears twice in step {step.step_id}")
+            self._check_fields(chunk)
+            known = chunk.request_id in self._tables and chunk.request_id not in forget
+            base = self._tables[chunk.request_id] if known else [[] for _ in self.groups]
+            tables[chunk.request_id] = [old + list(new) for old, new in zip(base, chunk.new_block_ids)]
+            self._check_table(chunk, tables[chunk.request_id], known)
+        return tables
+
+    def _check_hidden(self, step: StepInput, hidden_states: torch.Tensor | None) -> None:
+        num_tokens = sum(len(c.token_ids) for c in step.chunks)
+        if self.stage.is_first != (hidden_states is None):
+            raise ValueError("hidden_states must be given to every pipeline stage but the first, and only to them")
+        if hidden_states is not None and tuple(hidden_states.shape) != (num_tokens, self.stage.hidden_size):
+            raise ValueError(f"hidden_states must have shape ({num_tokens}, {self.stage.hidden_size}), "
+                             f"got {tuple(hidden_states.shape)}")
+
+    def _check_fields(self, chunk: ScheduledChunk) -> None:
+        rid = chunk.request_id
+        if not isinstance(rid, str):
+            raise TypeError(f"request_id must be a str, got {rid!r}")
+        if not isinstance(chunk.token_ids, list) or not chunk.token_ids:
+            raise ValueError(f"request {rid!r}: token_ids must be a non-empty list")
+        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in chunk.token_ids):
+            raise ValueError(f"request {rid!r}: token_ids must be integers in [0, {self.vocab_size})")
+        if not _is_int(chunk.start_pos) or chunk.start_pos < 0:
+            raise ValueError(f"request {rid!r}: start_pos must be an integer >= 0, got {chunk.start_pos!r}")
+        if not isinstance(chunk.temperature, (int, float)) or isinstance(chunk.temperature, bool) \
+                or not math.isfinite(chunk.temperature) or chunk.temperature < 0:
+            raise ValueError(f"request {rid!r}: temperature must be a finite number >= 0, got {chunk.temperature!r}")
+        if not _is_int(chunk.seed):
+            raise ValueError(f"request {rid!r}: seed must be an integer, got {chunk.seed!r}")
+        ids = chunk.new_block_ids
+        if not isinstance(ids, list) or len(ids) != len(self.groups) or not all(isinstance(g, list) for g in ids):
+            raise ValueError(f"request {rid!r}: new_block_ids must be {len(self.groups)} lists, one per KV-cache "
+                             f"group, got {ids!r}")
+        for g, group_ids in enumerate(ids):
+            bad = [b for b in group_ids if not _is_int(b) or not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(f"request {rid!r}: new_block_ids[{g}] holds ids outside [0, {self.num_blocks}): {bad}")
+
+    def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool) -> None:
+        """The table must reach the step's last token and hold real blocks wherever the step reads or writes."""
+        bs = self.block_size
+        end = chunk.start_pos + len(chunk.token_ids)
+        need = -(-end // bs)
+        for g, spec in enumerate(self.groups):
+            if len(table[g]) < need:
+                hint = "" if known else " (the request is new to this worker, so its chunk must carry its whole table)"
+                raise ValueError(f"request {chunk.request_id!r}: group {g} table has {len(table[g])} blocks "
+                                 f"({len(table[g]) * bs} tokens) but the step reaches {end} tokens{hint}")
+            first = spec.first_needed_token(chunk.start_pos) // bs
+            read = table[g][first:need]
+            if NULL_BLOCK_ID in read:
+                nulls = [first + j for j, b in enumerate(read) if b == NULL_BLOCK_ID]
+                raise ValueError(f"request {chunk.request_id!r}: group {g} has the null block at logical blocks "
+                                 f"{nulls}, which positions {chunk.start_pos}..{end - 1} read or write")
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        bs, dev = self.block_size, self.device
+        query_lens = [len(c.token_ids) for c in chunks]
+        seq_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
+        positions = torch.cat([torch.arange(c.start_pos, end) for c, end in zip(chunks, seq_lens)])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens))
+        width = max(-(-n // bs) for n in seq_lens)
+        block_tables, slot_mappings = [], []
+        for g in range(len(self.groups)):
+            table = torch.zeros(len(chunks), width, dtype=torch.int32)
+            for s, (chunk, n) in enumerate(zip(chunks, seq_lens)):
+                row = self._tables[chunk.request_id][g][:-(-n // bs)]
+                table[s, :len(row)] = torch.tensor(row, dtype=torch.int32)
+            slots = table[seq_of_token, positions // bs].long() * bs + positions % bs
+            block_tables.append(table.to(dev))
+            slot_mappings.append(slots.to(dev))
+        sample_rows = torch.tensor(query_lens).cumsum(0) - 1
+        wanted = torch.tensor([c.sample for c in chunks], dtype=torch.bool)
+        return StepBatch(positions=positions.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                         query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
+                         block_tables=block_tables, slot_mappings=slot_mappings,
+                         logits_indices=sample_rows[wanted].to(dev))
+
+
+def _own_layout(specs: list[AttentionSpec], start: int, end: int, tensor_parallel_size: int):
+    """The engine's plan for a worker built alone: equal stages, this one holding layers [start, end)."""
+    if len(specs) % (end - start):
+        raise ValueError(f"layers {start}-{end - 1}: stages must split {len(specs)} layers evenly")
+    layout = kv_layout({LAYER_NAME.format(i): s for i, s in enumerate(specs)}, len(specs) // (end - start),
+                       tensor_parallel_size)
+    return layout, start // (end - start)
+
+
+def execute_pipeline(stages: Sequence[Worker], step: StepInput) -> StepOutput:
+    """Run a step through consecutive stages in one process, checking it on every stage first."""
+    for stage in stages:
+        stage.check(step)
+    out = None
+    for stage in stages:
+        out = stage.execute(step, out)
+    return out
+
+
+def _layer_specs(model: transformers.PreTrainedModel, block_size: int) -> list[AttentionSpec]:
+    """Specs by layer index, with the dtype the model (hence its cache) actually has."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    return list(layer_specs(model.config.get_text_config(), block_size, dtype).values())
+
+
+def _sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int]:
+    """Greedy at temperature 0; otherwise a draw seeded by (seed, position of the new token)."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, chunk in enumerate(chunks):
+        if chunk.temperature > 0:
+            position = chunk.start_pos + len(chunk.token_ids)
+            generator = torch.Generator(device=logits.device)
+            generator.manual_seed((chunk.seed * 0x9E3779B97F4A7C15 + position) % 2**64)
+            probs = torch.softmax(logits[i].float() / chunk.temperature, dim=-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=generator))
+    return tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
