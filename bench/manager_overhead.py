@@ -85,13 +85,12 @@ def vllm_driver():
                                     sliding_window=WINDOW)
             kinds = {"full": [full], "sliding": [swa], "hybrid": [full, swa]}[layout]
             groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(kinds)]
-            tensors = [KVCacheTensor(size=full.page_size_bytes * num_blocks, shared_by=[f"layer.{i}"])
-                       for i in range(len(kinds))] if _has_shared_by() else \
-                      [KVCacheTensor(size=full.page_size_bytes * num_blocks, layers=[f"layer.{i}"])
-                       for i in range(len(kinds))]
+            page = full.page_size_bytes
+            tensors = [KVCacheTensor(size=page * num_blocks, layers=[f"layer.{i}"], layer_stride=page * num_blocks,
+                                     block_stride=page) for i in range(len(kinds))]
             cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
-            self.mgr = VKVCacheManager(cfg, max_model_len=max_len, hash_block_size=BLOCK,
-                                       enable_caching=True)
+            self.mgr = VKVCacheManager(cfg, max_model_len=max_len, scheduler_block_size=BLOCK,
+                                       hash_block_size=BLOCK, enable_caching=True)
             self.params = SamplingParams(max_tokens=1 << 20)
 
         def _request(self, rid, prompt):
@@ -100,7 +99,7 @@ def vllm_driver():
 
         def admit(self, rid, prompt):
             req = self._request(rid, prompt)
-            hit, n = self.mgr.get_computed_blocks(req)
+            hit, n, *_ = self.mgr.get_computed_blocks(req)  # 0.33 adds a shared-prefix boundary
             assert self.mgr.allocate_slots(req, len(prompt) - n, n, hit) is not None, "pool too small"
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = len(prompt)
@@ -116,10 +115,6 @@ def vllm_driver():
 
         def lookup(self, prompt):
             return self.mgr.get_computed_blocks(self._request("cold", prompt))[1]
-
-    def _has_shared_by():
-        import inspect
-        return "shared_by" in inspect.signature(KVCacheTensor).parameters
 
     return VllmDriver
 

@@ -27,12 +27,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
+                 log_to_driver=False)   # "local": a new runtime, never one another process started
     return ray
 
 
 def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max_restarts: int = 1,
-                       timeout_s: float = 900.0):
+                       timeout_s: float = 900.0, detached: bool = False):
     """The engine actor (async; no CPU of its own), started with its workers; returns (handle, info).
 
     ``max_restarts=1``: if the engine process dies, Ray starts it again with new workers; the Serve app
@@ -42,7 +43,8 @@ def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max
     from .llm import build_engine
     actor_cls = ray.remote(EngineService)
     handle = actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
-                               max_task_retries=0, max_concurrency=1000
+                               max_task_retries=0, max_concurrency=1000,
+                               lifetime="detached" if detached else None,
                                ).remote(build_engine, use_ray=True, **build_kwargs)
     try:
         info = ray.get(handle.ready.remote(), timeout=timeout_s)
@@ -85,10 +87,19 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
         return 0
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
-            from ray import serve
-            serve.shutdown()
-        except Exception:  # noqa: BLE001 - shutting down anyway
-            pass
         if started_here:
-            ray.shutdown()
+            ray.shutdown()      # stops every process of the runtime it started, Serve's included
+        else:
+            _stop_serve(timeout_s=30)
+
+
+def _stop_serve(timeout_s: float) -> None:
+    """Remove the Serve app from a cluster we only joined; Serve's shutdown can wait on draining replicas."""
+    import threading
+
+    from ray import serve
+    t = threading.Thread(target=serve.shutdown, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"swakv: Serve did not shut down within {timeout_s:.0f} s; leaving it to the cluster", file=sys.stderr)

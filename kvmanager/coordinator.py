@@ -15,6 +15,7 @@ class GroupCoordinator:
         # Groups that drop nothing have downward-closed hits: asking them first caps the others' search.
         self.groups = [KVCacheGroup(i, s, pool, enable_caching) for i, s in enumerate(specs)]
         self._search_order = sorted(self.groups, key=lambda g: g.drops)
+        self._dropping = [g for g in self.groups if g.drops]
         self.alignment = lcm(*(s.block_size for s in specs))
 
     def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
@@ -52,23 +53,20 @@ class GroupCoordinator:
         rid = request.request_id
         groups = self.groups
         new = [g.num_new_blocks(rid, num_slots, len(h)) for g, h in zip(groups, hit)]
-        if any(new) or any(hit):
+        has_hit = any(hit)
+        if has_hit or any(new):
             need = sum(new) - self.pool.num_free_blocks
             for g, blocks in zip(groups, hit):
                 need -= g.num_freed_by_drop(rid, num_computed)
                 need += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
             if need > 0:
                 return None
-        out = []
-        for g, blocks, n in zip(groups, hit, new):
-            if g.drops:
-                g.drop(rid, num_computed)
-            if blocks:
-                self.pool.touch(blocks)
-            out.append(g.append(rid, blocks, n))
-            if g.enable_caching:
-                g.cache_full_blocks(request, num_cacheable)
-        return tuple(out)
+            if has_hit:
+                for blocks in hit:
+                    self.pool.touch(blocks)
+        for g in self._dropping:        # all drops first: their blocks may be what the appends take
+            g.drop(rid, num_computed)
+        return tuple([g.append(request, h, n, num_cacheable) for g, h, n in zip(groups, hit, new)])
 
     def free(self, request_id: str) -> None:
         for g in self.groups:

@@ -41,7 +41,8 @@ class KVCacheGroup:
         """Indices of real blocks lying wholly before what the next token can see."""
         stop = min(self.spec.first_needed_token(num_computed) // self.block_size, len(table))
         start = stop
-        while start > 0 and table[start - 1].block_id != NULL_BLOCK_ID:  # nulls always form a prefix
+        null = self.pool.null_block
+        while start > 0 and table[start - 1] is not null:  # nulls always form a prefix
             start -= 1
         return range(start, stop)
 
@@ -51,10 +52,7 @@ class KVCacheGroup:
             return 0
         return sum(1 for i in self._droppable(table, num_computed) if table[i].ref_cnt == 1)
 
-    def drop(self, request_id: str, num_computed: int) -> None:
-        table = self.tables.get(request_id)
-        if not table:
-            return
+    def _drop(self, table: list[Block], num_computed: int) -> None:
         span = self._droppable(table, num_computed)
         if not span:
             return
@@ -72,30 +70,41 @@ class KVCacheGroup:
         have = (len(table) if table else 0) + num_hit_blocks
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def append(self, request_id: str, hit: list[Block], num_new: int) -> list[int]:
-        """Append hit blocks (already referenced) and ``num_new`` fresh ones; return the ids appended."""
-        if not hit and not num_new and request_id in self.tables:
-            return []
+    def drop(self, request_id: str, num_computed: int) -> None:
+        """Free what the request no longer needs (cheap when, as on most decode steps, nothing is)."""
         table = self.tables.get(request_id)
-        if table is None:
-            table = self.tables[request_id] = []
-            self._num_cached[request_id] = len(hit)
-        added = hit + self.pool.take(num_new) if num_new else hit
-        table.extend(added)
-        return [b.block_id for b in added]
+        if table:
+            stop = self.spec.first_needed_token(num_computed) // self.block_size
+            if 0 < stop <= len(table) and table[stop - 1] is not self.pool.null_block:
+                self._drop(table, num_computed)
 
-    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Enter blocks that are full of known tokens once this step runs into the prefix cache."""
+    def append(self, request: Request, hit: list[Block], num_new: int, num_cacheable: int) -> list[int]:
+        """Append the (already referenced) hit blocks and ``num_new`` fresh ones, cache what is full;
+        return the ids appended. Capacity was checked by the caller; most decode steps append nothing."""
         rid = request.request_id
-        start = self._num_cached[rid]
-        end = min(num_tokens, request.num_tokens) // self.block_size
-        if end <= start:
-            return
+        table = self.tables.get(rid)
+        if table is None:
+            table = self.tables[rid] = []
+            self._num_cached[rid] = len(hit)
+        added: list[int] = []
+        if hit or num_new:
+            blocks = hit + self.pool.take(num_new) if num_new else hit
+            table.extend(blocks)
+            added = [b.block_id for b in blocks]
+        if self.enable_caching:
+            end = (num_cacheable if num_cacheable < request.num_tokens else request.num_tokens) // self.block_size
+            if end > self._num_cached[rid]:
+                self._cache_full_blocks(request, table, end)
+        return added
+
+    def _cache_full_blocks(self, request: Request, table: list[Block], end: int) -> None:
+        """Enter blocks ``[num_cached, end)``, full of known tokens once this step runs, into the cache."""
+        rid = request.request_id
         hashes = request.block_hashes(self.block_size)
-        table, cache, gid = self.tables[rid], self.pool.cache, self.group_id
-        for i in range(start, end):
+        cache, gid, null = self.pool.cache, self.group_id, self.pool.null_block
+        for i in range(self._num_cached[rid], end):
             block = table[i]
-            if block.block_id != NULL_BLOCK_ID and block.block_hash is None:
+            if block is not null and block.block_hash is None:
                 cache(block, gid, hashes[i])
         self._num_cached[rid] = end
 

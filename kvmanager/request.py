@@ -1,7 +1,7 @@
 """A request as the manager sees it: its tokens, how many are computed, and its block hashes."""
 from __future__ import annotations
 
-from .hashing import hash_block, root_hash
+from .hashing import hash_blocks, root_hash
 
 
 def _check_token_ids(token_ids, what: str) -> list[int]:
@@ -45,6 +45,11 @@ class Request:
         return len(self.all_token_ids)
 
     def append_output_token_ids(self, token_ids) -> None:
+        if (type(token_ids) in (list, tuple) and len(token_ids) == 1  # the decode path, checked cheaply
+                and type(token_ids[0]) is int and token_ids[0] >= 0):
+            self.output_token_ids.append(token_ids[0])
+            self.all_token_ids.append(token_ids[0])
+            return
         ids = _check_token_ids(token_ids, "output token ids")
         self.output_token_ids.extend(ids)
         self.all_token_ids.extend(ids)
@@ -56,11 +61,9 @@ class Request:
             hashes = self._hashes[block_size] = []
         n_full = len(self.all_token_ids) // block_size
         if len(hashes) < n_full:
-            tokens = self.all_token_ids
             parent = hashes[-1] if hashes else root_hash(self.extra_keys)
-            for i in range(len(hashes), n_full):
-                parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
-                hashes.append(parent)
+            tokens = self.all_token_ids[len(hashes) * block_size:n_full * block_size]
+            hashes.extend(hash_blocks(parent, tokens, block_size))
         return hashes
 
     def __repr__(self) -> str:

@@ -1,0 +1,56 @@
+"""The configs in ray_configs/ pass Ray's own validation (no launch), and a broken one does not."""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.autoscaler.sdk import bootstrap_config
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.llm import build_engine
+
+CONFIGS = Path(__file__).resolve().parents[1] / "ray_configs"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+@pytest.mark.parametrize("name", ["cluster-aws-gpu.yaml", "cluster-local.yaml"])
+def test_cluster_configs_pass_rays_schema(name):
+    validate_config(prepare_config(load(name)))
+
+
+def test_local_cluster_config_bootstraps_without_ssh():
+    config = bootstrap_config(load("cluster-local.yaml"), no_config_cache=True)
+    assert config["provider"]["type"] == "local"
+    assert config["head_node_type"] == "local.cluster.node"
+
+
+def test_a_cluster_config_with_a_misspelt_field_is_refused():
+    broken = copy.deepcopy(load("cluster-aws-gpu.yaml"))
+    broken["available_node_types"]["gpu_8x_h100"]["max_wokers"] = 4
+    with pytest.raises(Exception, match="max_wokers"):
+        validate_config(prepare_config(broken))
+
+
+def test_serve_config_passes_serves_schema_and_names_a_real_builder():
+    schema = ServeDeploySchema.model_validate(load("serve.yaml"))
+    assert schema.http_options.host == "127.0.0.1"
+    (app,) = schema.applications
+    module, attr = app.import_path.split(":")
+    assert callable(getattr(importlib.import_module(module), attr))
+    # every arg is a keyword build_engine takes (the builder passes them through)
+    inspect.signature(build_engine).bind(**app.args)
+
+
+def test_a_serve_config_with_a_bad_field_is_refused():
+    broken = load("serve.yaml")
+    broken["http_options"]["port"] = "eighty"
+    with pytest.raises(Exception, match="port"):
+        ServeDeploySchema.model_validate(broken)
