@@ -15,10 +15,17 @@ from hashlib import sha256
 TOKEN_BYTES = 8   # tokens are hashed as little-endian int64
 
 
-@lru_cache(maxsize=1024)
 def root_hash(extra_keys: tuple = ()) -> bytes:
-    """The parent of a request's first block. ``extra_keys``: str, int, bytes, None or tuples of them."""
-    return sha256(b"swakv-root\x00" + _encode(extra_keys)).digest()
+    """The parent of a request's first block. ``extra_keys``: str, int, bytes, None or tuples of them.
+
+    Cached on the encoding, not the keys: ``(1,)`` and ``(True,)`` are equal as keys of a dict but are
+    different extra keys."""
+    return _root(_encode(extra_keys))
+
+
+@lru_cache(maxsize=1024)
+def _root(encoded: bytes) -> bytes:
+    return sha256(b"swakv-root\x00" + encoded).digest()
 
 
 def _pack(token_ids) -> bytes:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_pool import NULL_BLOCK_ID, BlockPool
+from .block_pool import NULL_BLOCK_ID, Block, BlockPool
 from .coordinator import GroupCoordinator
 from .request import Request
 from .specs import AttentionSpec
@@ -177,8 +177,20 @@ class KVCacheManager:
         if num_hit_tokens >= request.num_tokens:
             raise ValueError(f"request {request.request_id!r}: a hit of {num_hit_tokens} tokens leaves "
                              f"nothing to compute of {request.num_tokens}")
-        for spec, blocks in zip(self.specs, hit):
+        null = self.pool.null_block
+        for gid, (spec, blocks) in enumerate(zip(self.specs, hit)):
             if len(blocks) * spec.block_size != num_hit_tokens:
                 raise ValueError(f"new_computed_blocks do not cover num_new_computed_tokens={num_hit_tokens} "
                                  f"(a group of block size {spec.block_size} got {len(blocks)} blocks)")
+            hashes = request.block_hashes(spec.block_size)
+            for j, block in enumerate(blocks):
+                if block is null:
+                    continue
+                if not isinstance(block, Block) or block is not self.pool.blocks[block.block_id]:
+                    raise TypeError(f"new_computed_blocks must hold the blocks get_computed_blocks returned, "
+                                    f"got {block!r}")
+                if block.group != gid or block.block_hash != hashes[j]:
+                    raise ValueError(f"new_computed_blocks: block {block.block_id} no longer holds this "
+                                     f"request's tokens {j * spec.block_size}..{(j + 1) * spec.block_size - 1} "
+                                     f"(reused since the lookup); look up again")
         return hit

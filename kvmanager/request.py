@@ -4,11 +4,14 @@ from __future__ import annotations
 from .hashing import hash_blocks, root_hash
 
 
+MAX_TOKEN_ID = (1 << 63) - 1   # tokens are hashed as int64
+
+
 def _check_token_ids(token_ids, what: str) -> list[int]:
     ids = list(token_ids)
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ValueError(f"{what} must be non-negative integers, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{what} must be integers in [0, 2**63), got {t!r}")
     return ids
 
 
@@ -46,7 +49,7 @@ class Request:
 
     def append_output_token_ids(self, token_ids) -> None:
         if (type(token_ids) in (list, tuple) and len(token_ids) == 1  # the decode path, checked cheaply
-                and type(token_ids[0]) is int and token_ids[0] >= 0):
+                and type(token_ids[0]) is int and 0 <= token_ids[0] <= MAX_TOKEN_ID):
             self.output_token_ids.append(token_ids[0])
             self.all_token_ids.append(token_ids[0])
             return

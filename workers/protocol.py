@@ -6,6 +6,7 @@ outside the window, so a stale id in the mirror is harmless.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -34,3 +35,33 @@ class StepOutput:
     step_id: int
     sampled: dict[str, int]              # request_id -> next token, for chunks with sample=True
     simulated_time_s: float = 0.0        # simulated workers: the step's time on the modelled GPU
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, vocab_size: int) -> None:
+    """Every field of a chunk has the right type and range (tables are each worker's own check)."""
+    rid = chunk.request_id
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
+    if not isinstance(chunk.token_ids, list) or not chunk.token_ids:
+        raise ValueError(f"request {rid!r}: token_ids must be a non-empty list")
+    if not all(is_int(t) and 0 <= t < vocab_size for t in chunk.token_ids):
+        raise ValueError(f"request {rid!r}: token_ids must be integers in [0, {vocab_size})")
+    if not is_int(chunk.start_pos) or chunk.start_pos < 0:
+        raise ValueError(f"request {rid!r}: start_pos must be an integer >= 0, got {chunk.start_pos!r}")
+    if isinstance(chunk.temperature, bool) or not isinstance(chunk.temperature, (int, float)) \
+            or not math.isfinite(chunk.temperature) or chunk.temperature < 0:
+        raise ValueError(f"request {rid!r}: temperature must be a finite number >= 0, got {chunk.temperature!r}")
+    if not is_int(chunk.seed):
+        raise ValueError(f"request {rid!r}: seed must be an integer, got {chunk.seed!r}")
+    ids = chunk.new_block_ids
+    if not isinstance(ids, list) or len(ids) != num_groups or not all(isinstance(g, list) for g in ids):
+        raise ValueError(f"request {rid!r}: new_block_ids must be {num_groups} lists, one per KV-cache group, "
+                         f"got {ids!r}")
+    for g, group_ids in enumerate(ids):
+        bad = [b for b in group_ids if not is_int(b) or not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"request {rid!r}: new_block_ids[{g}] holds ids outside [0, {num_blocks}): {bad}")

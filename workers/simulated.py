@@ -21,7 +21,7 @@ from kvmanager.specs import AttentionSpec
 
 from .cost_model import StepCostModel
 from .presets import load_model
-from .protocol import ScheduledChunk, StepInput, StepOutput
+from .protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields, is_int
 
 NULL_BLOCK_ID = 0
 
@@ -40,14 +40,14 @@ class SimulatedWorker:
         if not self.groups or not all(isinstance(s, AttentionSpec) for s in self.groups):
             raise ValueError(f"group_specs must be a non-empty list of attention specs, got {group_specs!r}")
         for name, value, low in (("num_blocks", num_blocks, 2), ("vocab_size", vocab_size, 1)):
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not _is_int(seed):
+        if not is_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         if isinstance(sleep_factor, bool) or not isinstance(sleep_factor, (int, float)) \
                 or not math.isfinite(sleep_factor) or sleep_factor < 0:
             raise ValueError(f"sleep_factor must be a finite number >= 0, got {sleep_factor!r}")
-        if pipeline_stage is not None and (cost_model is None or not _is_int(pipeline_stage)
+        if pipeline_stage is not None and (cost_model is None or not is_int(pipeline_stage)
                                            or not 0 <= pipeline_stage < cost_model.pp):
             raise ValueError(f"pipeline_stage must be None or a stage index of the cost model's pipeline, "
                              f"got {pipeline_stage!r}")
@@ -125,7 +125,7 @@ class SimulatedWorker:
             rid = chunk.request_id
             if rid in tables:
                 raise ValueError(f"step {step.step_id}: request_id {rid!r} appears twice")
-            self._check_fields(chunk)
+            check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = rid in self._tables and rid not in forget
             if known and chunk.start_pos != self._computed[rid]:
                 raise ValueError(f"request {rid!r}: start_pos={chunk.start_pos} does not continue its previous "
@@ -134,31 +134,6 @@ class SimulatedWorker:
             tables[rid] = [old + new for old, new in zip(base, chunk.new_block_ids)]
             in_use[rid] = self._check_table(chunk, tables[rid], known, writers)
         return tables, in_use
-
-    def _check_fields(self, chunk: ScheduledChunk) -> None:
-        rid = chunk.request_id
-        if not isinstance(rid, str) or not rid:
-            raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
-        if not isinstance(chunk.token_ids, list) or not chunk.token_ids:
-            raise ValueError(f"request {rid!r}: token_ids must be a non-empty list")
-        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in chunk.token_ids):
-            raise ValueError(f"request {rid!r}: token_ids must be integers in [0, {self.vocab_size})")
-        if not _is_int(chunk.start_pos) or chunk.start_pos < 0:
-            raise ValueError(f"request {rid!r}: start_pos must be an integer >= 0, got {chunk.start_pos!r}")
-        if isinstance(chunk.temperature, bool) or not isinstance(chunk.temperature, (int, float)) \
-                or not math.isfinite(chunk.temperature) or chunk.temperature < 0:
-            raise ValueError(f"request {rid!r}: temperature must be a finite number >= 0, got {chunk.temperature!r}")
-        if not _is_int(chunk.seed):
-            raise ValueError(f"request {rid!r}: seed must be an integer, got {chunk.seed!r}")
-        ids = chunk.new_block_ids
-        if not isinstance(ids, list) or len(ids) != len(self.groups) or not all(isinstance(g, list) for g in ids):
-            raise ValueError(f"request {rid!r}: new_block_ids must be {len(self.groups)} lists, one per KV-cache "
-                             f"group, got {ids!r}")
-        for g, group_ids in enumerate(ids):
-            bad = [b for b in group_ids if not _is_int(b) or not 0 <= b < self.num_blocks]
-            if bad:
-                raise ValueError(f"request {rid!r}: new_block_ids[{g}] holds ids outside [0, {self.num_blocks}): "
-                                 f"{bad}")
 
     def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool,
                      writers: dict[int, tuple[str, int]]) -> list[list[int]]:
@@ -190,7 +165,3 @@ class SimulatedWorker:
                                      f"{other[0]!r} group {other[1]}")
             in_use.append(live)
         return in_use
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

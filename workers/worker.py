@@ -7,7 +7,6 @@ the mirrors and the cache as they were.
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ from kvmanager.specs import AttentionSpec
 from workers.layer_kinds import LAYER_NAME, layer_specs
 from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
                                   stage_range)
-from workers.protocol import ScheduledChunk, StepInput, StepOutput
+from workers.protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields
 from workers.tiny_models import TINY_MODELS, build_tiny_model
 
 NULL_BLOCK_ID = 0
@@ -163,7 +162,7 @@ class Worker:
                 raise TypeError(f"chunks must hold ScheduledChunk, got {type(chunk).__name__}")
             if chunk.request_id in tables:
                 raise ValueError(f"request_id {chunk.request_id!r} appears twice in step {step.step_id}")
-            self._check_fields(chunk)
+            check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = chunk.request_id in self._tables and chunk.request_id not in forget
             base = self._tables[chunk.request_id] if known else [[] for _ in self.groups]
             tables[chunk.request_id] = [old + list(new) for old, new in zip(base, chunk.new_block_ids)]
@@ -177,30 +176,6 @@ class Worker:
         if hidden_states is not None and tuple(hidden_states.shape) != (num_tokens, self.stage.hidden_size):
             raise ValueError(f"hidden_states must have shape ({num_tokens}, {self.stage.hidden_size}), "
                              f"got {tuple(hidden_states.shape)}")
-
-    def _check_fields(self, chunk: ScheduledChunk) -> None:
-        rid = chunk.request_id
-        if not isinstance(rid, str):
-            raise TypeError(f"request_id must be a str, got {rid!r}")
-        if not isinstance(chunk.token_ids, list) or not chunk.token_ids:
-            raise ValueError(f"request {rid!r}: token_ids must be a non-empty list")
-        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in chunk.token_ids):
-            raise ValueError(f"request {rid!r}: token_ids must be integers in [0, {self.vocab_size})")
-        if not _is_int(chunk.start_pos) or chunk.start_pos < 0:
-            raise ValueError(f"request {rid!r}: start_pos must be an integer >= 0, got {chunk.start_pos!r}")
-        if not isinstance(chunk.temperature, (int, float)) or isinstance(chunk.temperature, bool) \
-                or not math.isfinite(chunk.temperature) or chunk.temperature < 0:
-            raise ValueError(f"request {rid!r}: temperature must be a finite number >= 0, got {chunk.temperature!r}")
-        if not _is_int(chunk.seed):
-            raise ValueError(f"request {rid!r}: seed must be an integer, got {chunk.seed!r}")
-        ids = chunk.new_block_ids
-        if not isinstance(ids, list) or len(ids) != len(self.groups) or not all(isinstance(g, list) for g in ids):
-            raise ValueError(f"request {rid!r}: new_block_ids must be {len(self.groups)} lists, one per KV-cache "
-                             f"group, got {ids!r}")
-        for g, group_ids in enumerate(ids):
-            bad = [b for b in group_ids if not _is_int(b) or not 0 <= b < self.num_blocks]
-            if bad:
-                raise ValueError(f"request {rid!r}: new_block_ids[{g}] holds ids outside [0, {self.num_blocks}): {bad}")
 
     def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool) -> None:
         """The table must reach the step's last token and hold real blocks wherever the step reads or writes."""
@@ -279,7 +254,3 @@ def _sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int]:
             probs = torch.softmax(logits[i].float() / chunk.temperature, dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=generator))
     return tokens
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
