@@ -43,36 +43,68 @@ class LocalExecutor:
 
 
 class WorkerActor:
-    """Ray actor shell over a worker: decodes the step, runs it, encodes the result."""
+    """Ray actor shell over a worker: decodes the step, runs it, encodes the result.
+
+    Built in two calls so that tensor-parallel ranks can first agree on a rendezvous: ``address`` (rank
+    0's node and a free port), then ``setup`` on every rank at once.
+    """
 
     def __init__(self, worker_kwargs: dict):
-        self.worker = make_worker(worker_kwargs)
+        self.worker_kwargs = worker_kwargs
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        import socket
+
+        import ray
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def setup(self, rendezvous: dict | None = None) -> int:
+        """``rendezvous``: world rank/size, address, and this stage's tensor-parallel ranks."""
+        kwargs = dict(self.worker_kwargs)
+        if rendezvous:
+            import torch
+            import torch.distributed as dist
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{rendezvous['address']}",
+                                    rank=rendezvous["rank"], world_size=rendezvous["world_size"])
+            groups = [dist.new_group(ranks) for ranks in rendezvous["stage_ranks"]]   # every rank, same order
+            kwargs["tensor_parallel_group"] = groups[rendezvous["stage"]]
+        self.worker = make_worker(kwargs)
+        return os.getpid()
 
     def execute(self, payload: bytes, hidden=None):
         out = self.worker.execute(decode_step(payload), hidden)
         return encode_output(out) if isinstance(out, StepOutput) else out
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 class RayExecutor:
     """One worker actor per device, all in one placement group named for what it holds.
 
-    Tensor-parallel ranks of a stage are packed on one node; stages are packed too unless
-    ``spread_stages`` asks for them on different nodes. Each step's encoded deltas go to every actor;
-    stage ``k`` receives stage ``k-1``'s hidden states as an object ref, so they never pass the engine.
+    ``stage_kwargs`` holds one entry per worker, stage-major: ``ranks_per_stage`` tensor-parallel ranks
+    (with ``tensor_parallel_size`` / ``tensor_parallel_rank`` set) per pipeline stage. Ranks are packed; stages too unless
+    ``spread_stages`` asks for different nodes. Each step's encoded deltas go to every actor; every rank
+    of stage ``k`` receives rank 0 of stage ``k-1``'s hidden states, never passing through the engine.
     """
 
     def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0,
-                 spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0):
+                 spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
+                 compiled: bool = True, ranks_per_stage: int = 1):
+        if len(stage_kwargs) % ranks_per_stage:
+            raise ValueError(f"{len(stage_kwargs)} workers do not split into stages of {ranks_per_stage} ranks")
         self.stage_kwargs = stage_kwargs
+        self.ranks_per_stage = ranks_per_stage
+        self.compiled = compiled
+        self._dag = None
         self.num_gpus = num_gpus_per_worker
         self.spread_stages = spread_stages
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
         self.last_payload_bytes = 0
         self.actors: list = []
+        self._stages: list[list] = []
         self.worker_names: list[str] = []
         self.placement_group = None
         self._generation = 0
@@ -85,11 +117,12 @@ class RayExecutor:
 
         self._generation += 1
         n = len(self.stage_kwargs)
+        tp = self.ranks_per_stage
         bundle = {"CPU": 1, **({"GPU": self.num_gpus} if self.num_gpus else {})}
         strategy = "SPREAD" if self.spread_stages and n > 1 else "PACK"
         # Unique per start: a restarted engine must not meet the names of its dead predecessor's workers.
         token = f"{os.getpid()}-{self._generation}"
-        name = f"swakv-workers-pp{n}-{token}"
+        name = f"swakv-workers-tp{tp}-pp{n // tp}-{token}"
         self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name)
         try:
             ray.get(self.placement_group.ready(), timeout=self.start_timeout_s)
@@ -98,32 +131,66 @@ class RayExecutor:
             raise RuntimeError(f"placement group {name} ({n} x {bundle}, {strategy}) could not be placed within "
                                f"{self.start_timeout_s:.0f} s: the cluster lacks the resources") from None
         actor_cls = ray.remote(WorkerActor)
-        env = {"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}}
+        env = {"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                            "OMP_WAIT_POLICY": "PASSIVE"}}   # ranks sharing cores must not spin
+        self.worker_names = [self._name(kw, token) for kw in self.stage_kwargs]
         self.actors = [
-            actor_cls.options(num_cpus=1, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env,
-                              name=f"swakv-worker-stage{i}-{token}",
+            actor_cls.options(num_cpus=1, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env, name=name,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   placement_group=self.placement_group, placement_group_bundle_index=i)
                               ).remote(kwargs)
-            for i, kwargs in enumerate(self.stage_kwargs)]
-        self.worker_names = [f"swakv-worker-stage{i}-{token}" for i in range(n)]
+            for i, (kwargs, name) in enumerate(zip(self.stage_kwargs, self.worker_names))]
         try:
-            self.pids = ray.get([a.pid.remote() for a in self.actors], timeout=self.start_timeout_s)
+            rendezvous = [None] * n
+            if tp > 1:
+                host, port = ray.get(self.actors[0].address.remote(), timeout=self.start_timeout_s)
+                stage_ranks = [list(range(s, s + tp)) for s in range(0, n, tp)]
+                rendezvous = [dict(address=f"{host}:{port}", rank=i, world_size=n, stage=i // tp,
+                                   stage_ranks=stage_ranks) for i in range(n)]
+            self.pids = ray.get([a.setup.remote(r) for a, r in zip(self.actors, rendezvous)],
+                                timeout=self.start_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a worker that cannot start is a start-up error
             self.shutdown()
             raise RuntimeError(f"worker actors failed to start: {exc}") from exc
+        self._stages = [self.actors[s:s + tp] for s in range(0, n, tp)]
+        if self.compiled:
+            self._dag = self._compile()
+
+    @staticmethod
+    def _name(kwargs: dict, token: str) -> str:
+        stage = kwargs.get("stage", kwargs.get("pipeline_stage", 0)) or 0
+        return f"swakv-worker-stage{stage}-rank{kwargs.get('tensor_parallel_rank', 0)}-{token}"
+
+    def _compile(self):
+        """The step as a Ray Compiled Graph: deltas in, each stage feeding the next (see docs/serving.md)."""
+        from ray.dag import InputNode
+        from ray.dag import MultiOutputNode
+        with InputNode() as payload:
+            outputs, hidden = [], None
+            for ranks in self._stages:
+                nodes = [a.execute.bind(payload, hidden) if hidden is not None else a.execute.bind(payload)
+                         for a in ranks]
+                outputs += nodes[1:]   # other ranks' results are not needed, but must be consumed
+                hidden = nodes[0]
+            return MultiOutputNode([hidden] + outputs).experimental_compile()
 
     def execute(self, step: StepInput) -> StepOutput:
         import ray
         payload = encode_step(step)
         self.last_payload_bytes = len(payload) * len(self.actors)
-        ref = None
-        for actor in self.actors:
-            ref = actor.execute.remote(payload, ref)
         try:
-            return decode_output(ray.get(ref, timeout=self.step_timeout_s))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
-                ray.exceptions.ObjectLostError) as exc:
+            if self._dag is not None:
+                result = ray.get(self._dag.execute(payload), timeout=self.step_timeout_s)[0]
+            else:
+                refs, hidden = [], None
+                for ranks in self._stages:
+                    stage = [a.execute.remote(payload, hidden) for a in ranks]
+                    refs += stage
+                    hidden = stage[0]
+                result = ray.get(refs, timeout=self.step_timeout_s)[-len(self._stages[-1])]
+            return decode_output(result)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError,
+                ray.exceptions.RayChannelError) as exc:
             raise WorkerFailure(f"step {step.step_id}: {type(exc).__name__}: {exc}") from exc
 
     def restart(self) -> None:
@@ -131,7 +198,14 @@ class RayExecutor:
         self._start()
 
     def shutdown(self) -> None:
+        import threading
+
         import ray
+        if self._dag is not None:   # teardown can wait on a dead actor: bounded, then kill
+            t = threading.Thread(target=self._dag.teardown, kwargs={"kill_actors": True}, daemon=True)
+            t.start()
+            t.join(30)
+            self._dag = None
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         self.actors = []

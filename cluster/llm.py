@@ -60,8 +60,9 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         model = resolve_model(model)
         config = model_config(model)
         check_parallel_sizes(config, tp, pp)
-        if tp != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet by the workers")
+        if tp != 1 and not use_ray:
+            raise ValueError("tensor_parallel_size > 1 runs one worker process per rank: use Ray workers "
+                             "(use_ray=True, as `swakv serve` does)")
         specs = layer_specs(config, block_size)
         limit = getattr(config, "max_position_embeddings", None) or 4096
         vocab_size = config.vocab_size
@@ -71,7 +72,8 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         for names in split_stages(list(specs), pp):
             bounds.append((start, start + len(names)))
             start += len(names)
-        per_stage = [dict(layers=b, stage=i) for i, b in enumerate(bounds)]
+        per_stage = [dict(layers=b, stage=i, tensor_parallel_size=tp, tensor_parallel_rank=r)
+                     for i, b in enumerate(bounds) for r in range(tp)]
     layout = kv_layout(specs, pp, tp)
     if num_blocks is None:
         num_blocks = layout.num_blocks(kv_cache_memory or default_memory)
@@ -84,7 +86,8 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
             kw["layout"] = layout
     if use_ray:
         from .executors import RayExecutor
-        executor = RayExecutor(stage_kwargs, num_gpus_per_worker=num_gpus_per_worker, spread_stages=spread_stages)
+        executor = RayExecutor(stage_kwargs, num_gpus_per_worker=num_gpus_per_worker, spread_stages=spread_stages,
+                               ranks_per_stage=1 if simulated_gpu else tp)
     else:
         from .executors import LocalExecutor
         executor = LocalExecutor(stage_kwargs)

@@ -113,3 +113,23 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
             assert tokens[f"r{i}"] == reference("tiny-gemma2", tuple(prompt), 10)
     finally:
         engine.executor.shutdown()
+
+
+def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runtime):
+    # tiny-gemma2: 4 heads, 2 KV heads, MLP 128 -> 2 ranks each keep 2 heads, 1 KV head, 64 columns;
+    # two stages of two ranks: four worker actors, one gloo world, one sub-group per stage.
+    engine, info = build_engine("tiny-gemma2", tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4,
+                                num_blocks=200, max_num_batched_tokens=16, use_ray=True)
+    try:
+        assert [n.rsplit("-", 2)[0] for n in engine.stats()["workers"]] == [
+            "swakv-worker-stage0-rank0", "swakv-worker-stage0-rank1",
+            "swakv-worker-stage1-rank0", "swakv-worker-stage1-rank1"]
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=8))
+        tokens = {f"r{i}": [] for i in range(3)}
+        while engine.has_work():
+            for u in engine.step():
+                tokens[u.request_id] += u.new_token_ids
+        assert tokens == {f"r{i}": reference("tiny-gemma2", tuple(p), 8) for i, p in enumerate(PROMPTS[:3])}
+    finally:
+        engine.executor.shutdown()
