@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     from .planner import register as register_plan
     register_plan(sub)
+    from .loadtest import register as register_loadtest
+    register_loadtest(sub)
     return parser
 
 

@@ -35,6 +35,7 @@ class EngineMetrics:
     step_time_s: float = 0.0
     last_step_time_s: float = 0.0
     delta_bytes: int = 0
+    simulated_time_s: float = 0.0                 # GPU time simulated workers report (0 for real ones)
     worker_restarts: int = 0
     recomputed_requests: int = 0
     finished: dict = field(default_factory=dict)   # finish reason -> count
@@ -100,6 +101,7 @@ class Engine:
         m.step_time_s += dt
         m.last_step_time_s = dt
         m.delta_bytes += getattr(self.executor, "last_payload_bytes", 0)
+        m.simulated_time_s += output.simulated_time_s
         for u in updates:
             if u.finished:
                 m.finished[u.finish_reason] = m.finished.get(u.finish_reason, 0) + 1
@@ -133,6 +135,7 @@ class Engine:
             "mean_step_time_s": m.step_time_s / m.steps if m.steps else 0.0,
             "last_step_time_s": m.last_step_time_s,
             "delta_bytes": m.delta_bytes,
+            "simulated_time_s": m.simulated_time_s,
             "worker_restarts": m.worker_restarts,
             "recomputed_requests": m.recomputed_requests,
             "finished": dict(m.finished),

@@ -33,22 +33,25 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
 
 
 def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max_restarts: int = 1,
-                       timeout_s: float = 900.0, detached: bool = False):
+                       timeout_s: float = 900.0, detached: bool = False, resources: dict | None = None):
     """The engine actor (async; no CPU of its own), started with its workers; returns (handle, info).
 
     ``max_restarts=1``: if the engine process dies, Ray starts it again with new workers; the Serve app
-    re-finds it by name, and in-flight requests fail with a retryable error.
+    re-finds it by name, and in-flight requests fail with a retryable error. ``resources`` pins it
+    (e.g. to the head node through a custom resource).
     """
     import ray
     from .llm import build_engine
     actor_cls = ray.remote(EngineService)
     handle = actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
                                max_task_retries=0, max_concurrency=1000,
-                               lifetime="detached" if detached else None,
+                               lifetime="detached" if detached else None, resources=resources or {},
                                ).remote(build_engine, use_ray=True, **build_kwargs)
     try:
         info = ray.get(handle.ready.remote(), timeout=timeout_s)
-    except Exception:
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"the engine actor failed to start: {exc}") from None
+    except BaseException:
         ray.kill(handle, no_restart=True)
         raise
     return handle, info

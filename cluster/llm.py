@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmanager.planning import kv_layout, split_stages
+from kvmanager.planning import as_full_attention, kv_layout, split_stages
 
 from .engine import Engine, EngineConfig
 from .scheduler import SamplingParams
@@ -35,11 +35,13 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, use_ray: bool = False, device: str | None = None,
                  seed: int = 0, num_gpus_per_worker: float = 0.0, spread_stages: bool = False,
-                 simulated_gpu: str | None = None, sleep_factor: float = 0.0):
+                 simulated_gpu: str | None = None, sleep_factor: float = 0.0, sliding_as_full: bool = False):
     """Check the layout, size the pool, start the workers; return (Engine, model info).
 
     ``simulated_gpu`` (e.g. "H100-80GB") runs simulated workers for a preset or config.json ``model``,
-    timed by the cost model. Bad layouts (stages with different layer-kind mixes, sizes that do not
+    timed by the cost model. ``sliding_as_full`` gives every layer a full-attention table, as engines
+    without window-aware memory do (the comparison baseline); attention still reads only the window.
+    Bad layouts (stages with different layer-kind mixes, sizes that do not
     divide heads or layers) are refused here, before any worker loads weights.
     """
     tp, pp = tensor_parallel_size, pipeline_parallel_size
@@ -53,7 +55,8 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         vocab_size = preset.vocab_size
         default_memory = default_kv_memory(preset, get_gpu(simulated_gpu), tp, pp)
         common = dict(kind="simulated", model=model, gpu=simulated_gpu, tensor_parallel_size=tp,
-                      pipeline_parallel_size=pp, sleep_factor=sleep_factor, seed=seed)
+                      pipeline_parallel_size=pp, sleep_factor=sleep_factor, seed=seed,
+                      sliding_as_full=sliding_as_full)
         per_stage = [dict(pipeline_stage=i) for i in range(pp)]
     else:
         from workers.layer_kinds import check_parallel_sizes, layer_specs
@@ -74,9 +77,10 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
             start += len(names)
         per_stage = [dict(layers=b, stage=i, tensor_parallel_size=tp, tensor_parallel_rank=r)
                      for i, b in enumerate(bounds) for r in range(tp)]
-    layout = kv_layout(specs, pp, tp)
+    layout = kv_layout(as_full_attention(specs) if sliding_as_full else specs, pp, tp)
+    kv_memory_bytes = kv_cache_memory or default_memory
     if num_blocks is None:
-        num_blocks = layout.num_blocks(kv_cache_memory or default_memory)
+        num_blocks = layout.num_blocks(kv_memory_bytes)
     max_model_len = max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
@@ -98,7 +102,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
     info = {"model": os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model,
             "model_path": model, "max_model_len": max_model_len, "num_blocks": num_blocks,
             "num_groups": len(layout.group_specs), "block_size": block_size, "simulated_gpu": simulated_gpu,
-            "vocab_size": vocab_size,
+            "vocab_size": vocab_size, "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
     return engine, info
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvmanager.planning import kv_layout
+from kvmanager.planning import as_full_attention, kv_layout
 from kvmanager.specs import AttentionSpec
 
 from .cost_model import StepCostModel
@@ -30,7 +30,8 @@ class SimulatedWorker:
     """Mirrors and checks of one worker (or a whole TP x PP replica), with modelled step times.
 
     ``group_specs``: the KV-cache groups in the engine's order (``kv_layout(...).group_specs``).
-    ``pipeline_stage``: None reports the whole replica's step time; an index, that stage's share.
+    ``pipeline_stage``: None sleeps the whole replica's step time; an index, that stage's share. Either
+    way the step reports the whole replica's time (``StepOutput.simulated_time_s``).
     """
 
     def __init__(self, group_specs: Sequence[AttentionSpec], num_blocks: int, *, vocab_size: int, seed: int = 0,
@@ -59,10 +60,16 @@ class SimulatedWorker:
 
     @classmethod
     def for_model(cls, model: Any, gpu: Any, *, num_blocks: int, block_size: int = 16,
-                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **kwargs) -> "SimulatedWorker":
-        """A worker for a preset name or config.json path, with the groups the engine builds for it."""
+                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, sliding_as_full: bool = False,
+                  **kwargs) -> "SimulatedWorker":
+        """A worker for a preset name or config.json path, with the groups the engine builds for it.
+
+        ``sliding_as_full``: the engine's manager treats every layer as full attention; the cost model
+        keeps the real windows (attention still reads only the window, the memory is what changes)."""
         preset = load_model(model)
-        layout = kv_layout(preset.layer_specs(block_size), pipeline_parallel_size, tensor_parallel_size)
+        specs = preset.layer_specs(block_size)
+        layout = kv_layout(as_full_attention(specs) if sliding_as_full else specs, pipeline_parallel_size,
+                           tensor_parallel_size)
         cost = StepCostModel(preset, gpu, tensor_parallel_size, pipeline_parallel_size)
         return cls(layout.group_specs, num_blocks, vocab_size=preset.vocab_size, cost_model=cost, **kwargs)
 
@@ -94,9 +101,10 @@ class SimulatedWorker:
         seconds = 0.0
         if self.cost_model is not None and step.chunks:
             cost = self.cost_model.step([(c.start_pos, len(c.token_ids)) for c in step.chunks])
-            seconds = cost.time_s if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage)
+            seconds = cost.time_s
             if self.sleep_factor:
-                time.sleep(seconds * self.sleep_factor)
+                own = seconds if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage)
+                time.sleep(own * self.sleep_factor)
         return StepOutput(step_id=step.step_id, sampled=sampled, simulated_time_s=seconds)
 
     def sample(self, chunk: ScheduledChunk) -> int:

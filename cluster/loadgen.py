@@ -1,0 +1,481 @@
+"""Workloads, an open-loop HTTP load generator for the Serve app, and the metrics of a run.
+
+A workload is a list of sessions. A session starts at its arrival time (Poisson arrivals, seeded) and
+sends its turns one after another, each after the previous answer plus a think time. With
+``carry_history`` a turn's prompt is the previous prompt + the previous answer + the new text, so turns
+share history as a chat's do; otherwise each turn is the shared prefix + its own text. Arrivals never
+wait for the server (open loop); only the turns of one session depend on each other, as a user's do.
+
+The generator streams every request (SSE), so time to first token (TTFT) and time per output token
+(TPOT) are measured; it only talks to 127.0.0.1 and stops by itself: no new turn after ``duration_s``,
+nothing in flight after ``duration_s + drain_s``. A request the server accepted (HTTP 200) but that
+neither finished nor reported an error by then is **lost**; that count must be 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+# User text is drawn from ids 1..255: valid for every vocabulary here, byte-level ones included.
+_TEXT_IDS = (1, 255)
+
+
+# -- workloads ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Turn:
+    text: tuple[int, ...] | str      # new user text: token ids, or a string the server tokenizes
+    max_tokens: int
+    think_s: float = 0.0             # pause after the previous answer (or the session's start)
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    start_s: float
+    turns: tuple[Turn, ...]
+    prefix: tuple[int, ...] = ()     # shared text before the first turn (system prompt, document)
+    carry_history: bool = True
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.turns)
+
+
+def check_number(name: str, value: Any, low: float, *, integer: bool = True, above: bool = False) -> None:
+    """``value`` must be an int (or a finite number) >= ``low`` (> ``low`` with ``above``)."""
+    ok_type = (isinstance(value, int) if integer else isinstance(value, (int, float))) \
+        and not isinstance(value, bool)
+    if not ok_type or (not integer and not math.isfinite(value)) or value < low or (above and value == low):
+        kind = "an integer" if integer else "a finite number"
+        raise ValueError(f"{name} must be {kind} {'>' if above else '>='} {low}, got {value!r}")
+
+
+def _text(rng: random.Random, mean: int) -> tuple[int, ...]:
+    """Random token ids, length uniform in [mean/2, 3 mean/2] (at least 1)."""
+    n = max(1, rng.randint(mean - mean // 2, mean + mean // 2))
+    return tuple(rng.randint(*_TEXT_IDS) for _ in range(n))
+
+
+def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
+    """``n`` Poisson arrival times at ``rate`` per second, the first at 0."""
+    t, out = 0.0, []
+    for i in range(n):
+        out.append(round(t, 6))
+        t += rng.expovariate(rate)
+    return out
+
+
+def multi_turn_chat(*, sessions: int = 24, turns: int = 4, rate: float = 2.0, system_tokens: int = 2048,
+                    user_tokens: int = 256, max_tokens: int = 64, think_s: float = 0.5,
+                    seed: int = 0) -> list[Session]:
+    """Chats: a per-user system prompt, then turns whose prompt is the history plus new user text."""
+    for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 0),
+                         ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1)):
+        check_number(name, v, low)
+    check_number("rate", rate, 0, integer=False, above=True)
+    check_number("think_s", think_s, 0, integer=False)
+    check_number("seed", seed, -2**63)
+    rng = random.Random(seed)
+    starts = _arrivals(rng, sessions, rate)
+    out = []
+    for i, start in enumerate(starts):
+        system = _text(rng, system_tokens) if system_tokens else ()
+        out.append(Session(f"chat{i}", start, tuple(
+            Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
+            for t in range(turns)), prefix=system, carry_history=True))
+    return out
+
+
+def agent_loops(*, sessions: int = 12, turns: int = 4, rate: float = 1.0, system_tokens: int = 4096,
+                user_tokens: int = 192, max_tokens: int = 48, think_s: float = 0.2, seed: int = 0) -> list[Session]:
+    """Agents over one long system prompt shared by all: a task, then tool outputs fed back each step."""
+    for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 1),
+                         ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1)):
+        check_number(name, v, low)
+    check_number("rate", rate, 0, integer=False, above=True)
+    check_number("think_s", think_s, 0, integer=False)
+    check_number("seed", seed, -2**63)
+    rng = random.Random(seed)
+    shared = _text(rng, system_tokens)
+    starts = _arrivals(rng, sessions, rate)
+    return [Session(f"agent{i}", start, tuple(
+        Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
+        for t in range(turns)), prefix=shared, carry_history=True) for i, start in enumerate(starts)]
+
+
+def document_qa(*, sessions: int = 24, turns: int = 1, rate: float = 1.0, system_tokens: int = 6144,
+                user_tokens: int = 64, max_tokens: int = 16, think_s: float = 0.0, seed: int = 0,
+                documents: int = 4) -> list[Session]:
+    """Long-document QA: each request is one of ``documents`` long documents plus a short question.
+
+    ``system_tokens`` is the document length; ``turns`` questions per session, each on its own (no
+    history): long prompts, short answers, documents shared across sessions.
+    """
+    for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 1),
+                         ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1), ("documents", documents, 1)):
+        check_number(name, v, low)
+    check_number("rate", rate, 0, integer=False, above=True)
+    check_number("think_s", think_s, 0, integer=False)
+    check_number("seed", seed, -2**63)
+    rng = random.Random(seed)
+    docs = [_text(rng, system_tokens) for _ in range(documents)]
+    starts = _arrivals(rng, sessions, rate)
+    return [Session(f"qa{i}", start, tuple(
+        Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
+        for t in range(turns)), prefix=docs[rng.randrange(documents)], carry_history=False)
+        for i, start in enumerate(starts)]
+
+
+WORKLOADS: dict[str, Callable[..., list[Session]]] = {
+    "chat": multi_turn_chat, "agent": agent_loops, "qa": document_qa}
+
+_TRACE_FIELDS = ("arrival_s", "prompt", "prompt_token_ids", "max_tokens")
+
+
+def parse_trace(lines, source: str = "trace") -> list[Session]:
+    """A JSONL trace: one request per line, ``{"arrival_s": 0.5, "prompt_token_ids": [...] | "prompt":
+    "...", "max_tokens": 32}``. Blank lines are skipped; anything else wrong is a ValueError naming the
+    line and the field. Requests are sorted by arrival time (stable)."""
+    sessions = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(_TRACE_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(_TRACE_FIELDS)}")
+        for name in ("arrival_s", "max_tokens"):
+            if name not in obj:
+                raise ValueError(f"{where}: field {name!r} is missing")
+        try:
+            check_number("field 'arrival_s'", obj["arrival_s"], 0, integer=False)
+            check_number("field 'max_tokens'", obj["max_tokens"], 1)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
+        if has_text == has_ids:
+            raise ValueError(f"{where}: give exactly one of fields 'prompt' and 'prompt_token_ids'")
+        if has_text:
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r:.60}")
+        else:
+            prompt = obj["prompt_token_ids"]
+            if not isinstance(prompt, list) or not prompt or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+                raise ValueError(f"{where}: field 'prompt_token_ids' must be a non-empty list of integers "
+                                 f">= 0, got {prompt!r:.60}")
+            prompt = tuple(prompt)
+        sessions.append(Session(f"trace{number}", float(obj["arrival_s"]),
+                                (Turn(prompt, obj["max_tokens"]),), carry_history=False))
+    if not sessions:
+        raise ValueError(f"{source}: holds no requests")
+    return sorted(sessions, key=lambda s: s.start_s)
+
+
+def load_trace(path: str) -> list[Session]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_trace(f, path)
+    except OSError as exc:
+        raise ValueError(f"trace {path!r}: cannot read it: {exc.strerror or exc}") from None
+
+
+# -- one request ----------------------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    session_id: str
+    turn: int
+    prompt_tokens: int
+    max_tokens: int
+    sent_s: float
+    status: str = "pending"          # completed | failed | lost
+    accepted: bool = False           # the server answered 200 and started the stream
+    first_token_s: float | None = None
+    end_s: float | None = None
+    response_id: str | None = None
+    seed: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.end_s is None or self.status != "completed" else self.end_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.output_token_ids)
+        if self.status != "completed" or n < 2 or self.first_token_s is None:
+            return None
+        return (self.end_s - self.first_token_s) / (n - 1)
+
+
+def request_seed(seed: int, session_id: str, turn: int) -> int:
+    """The sampling seed a request carries: a function of the run's seed and the request only."""
+    return random.Random(f"{seed}/{session_id}/{turn}").getrandbits(62)
+
+
+async def stream_completion(client, url: str, body: dict, record: RequestRecord, clock,
+                            headers: dict | None = None) -> None:
+    """POST one streaming completion; fill ``record`` (status stays ``pending`` if the stream just stops)."""
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                try:
+                    message = json.loads(text)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = text[:200]
+                record.status, record.error, record.end_s = "failed", f"HTTP {resp.status_code}: {message}", clock()
+                return
+            record.accepted = True
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    record.status, record.end_s = "failed", clock()
+                    record.error = f"stream error: {event['error'].get('message')}"
+                    return
+                record.response_id = record.response_id or event.get("id")
+                for choice in event.get("choices", ()):
+                    ids = choice.get("token_ids") or []
+                    if ids and record.first_token_s is None:
+                        record.first_token_s = clock()
+                    record.output_token_ids.extend(ids)
+                    if choice.get("finish_reason"):
+                        record.finish_reason = choice["finish_reason"]
+            if record.finish_reason is not None:
+                record.status, record.end_s = "completed", clock()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transport errors: before acceptance a failure, after it lost
+        if not record.accepted:
+            record.status, record.end_s = "failed", clock()
+            record.error = f"{type(exc).__name__}: {exc}"
+        else:
+            record.error = f"stream broke: {type(exc).__name__}: {exc}"
+
+
+# -- a run ----------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    not_sent: int                    # turns never sent: past the duration, or their session had failed
+    wall_s: float
+    timeline: list[dict]             # periodic engine stats with "t" (s since start) and "in_flight"
+    last_stats: dict | None
+
+
+def check_local_url(base_url: str) -> str:
+    parts = urlsplit(base_url)
+    if parts.scheme != "http" or parts.hostname != "127.0.0.1" or not parts.port:
+        raise ValueError(f"base_url must be http://127.0.0.1:PORT[/prefix] (the load generator only talks to "
+                         f"loopback), got {base_url!r}")
+    return base_url.rstrip("/")
+
+
+async def run_load(sessions: list[Session], base_url: str, *, duration_s: float = 60.0, drain_s: float = 60.0,
+                   seed: int = 0, model: str | None = None, poll_stats: Callable[[], Awaitable[dict]] | None = None,
+                   poll_interval_s: float = 0.5, request_timeout_s: float = 120.0, progress: bool = True,
+                   events: list[tuple[float, Callable[[], Awaitable[str]]]] = (),
+                   request_id_prefix: str | None = None) -> RunResult:
+    """Drive ``sessions`` against ``base_url`` (http://127.0.0.1:PORT); return every request's record.
+
+    ``events``: (seconds after start, async action) pairs, e.g. fault injection; their results land in
+    the timeline. ``request_id_prefix``: sent as ``X-Request-Id`` (``prefix-session-turn``) so a server
+    that honours it names requests deterministically.
+    """
+    import httpx
+
+    url = check_local_url(base_url) + "/v1/completions"
+    check_number("duration_s", duration_s, 0, integer=False, above=True)
+    check_number("drain_s", drain_s, 0, integer=False)
+    check_number("poll_interval_s", poll_interval_s, 0, integer=False, above=True)
+    if not sessions:
+        raise ValueError("sessions is empty: nothing to send")
+    t0 = time.monotonic()
+
+    def clock() -> float:
+        return time.monotonic() - t0
+
+    records: list[RequestRecord] = []
+    in_flight = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(s.num_requests for s in sessions), unit="req", desc="loadtest", leave=False,
+                   dynamic_ncols=True)
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    timeout = httpx.Timeout(connect=10.0, read=request_timeout_s, write=30.0, pool=30.0)
+
+    async def one_session(client, s: Session) -> None:
+        nonlocal in_flight
+        await asyncio.sleep(max(0.0, s.start_s - clock()))
+        history: tuple[int, ...] | str = s.prefix
+        for k, turn in enumerate(s.turns):
+            await asyncio.sleep(turn.think_s)
+            if clock() >= duration_s:
+                return
+            if isinstance(turn.text, str):
+                prompt: Any = turn.text
+            else:
+                prompt = list(history if s.carry_history else s.prefix) + list(turn.text)
+            body = {"prompt": prompt, "max_tokens": turn.max_tokens, "stream": True, "ignore_eos": True,
+                    "seed": request_seed(seed, s.session_id, k), "stream_options": {"include_usage": True}}
+            if model:
+                body["model"] = model
+            rec = RequestRecord(s.session_id, k, -1 if isinstance(prompt, str) else len(prompt), turn.max_tokens,
+                                clock(), seed=body["seed"])
+            records.append(rec)
+            headers = {"X-Request-Id": f"{request_id_prefix}-{s.session_id}-{k}"} if request_id_prefix else None
+            in_flight += 1
+            try:
+                await stream_completion(client, url, body, rec, clock, headers)
+            finally:
+                in_flight -= 1
+                if bar is not None and rec.status != "pending":
+                    bar.update(1)
+            if rec.status != "completed":
+                return
+            if s.carry_history and not isinstance(prompt, str):
+                history = tuple(prompt) + tuple(rec.output_token_ids)
+
+    timeline: list[dict] = []
+    last_stats: dict | None = None
+
+    async def poller() -> None:
+        nonlocal last_stats
+        while True:
+            try:
+                stats = await asyncio.wait_for(poll_stats(), timeout=10.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a missed sample is not a failed run
+                timeline.append({"t": clock(), "in_flight": in_flight, "stats_error": repr(exc)})
+            else:
+                last_stats = stats
+                timeline.append({"t": clock(), "in_flight": in_flight, **_sample(stats)})
+            await asyncio.sleep(poll_interval_s)
+
+    async def injector(at: float, action) -> None:
+        await asyncio.sleep(max(0.0, at - clock()))
+        try:
+            note = await action()
+        except Exception as exc:  # noqa: BLE001 - recorded; the run goes on
+            note = f"failed: {exc!r}"
+        timeline.append({"t": clock(), "in_flight": in_flight, "event": note})
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        tasks = [asyncio.create_task(one_session(client, s)) for s in sessions]
+        side = [asyncio.create_task(injector(at, action)) for at, action in events]
+        if poll_stats is not None:
+            side.append(asyncio.create_task(poller()))
+        deadline = duration_s + drain_s
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - clock()))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            if bar is not None:
+                bar.close()
+    if poll_stats is not None:   # one last sample: the counters at the end
+        try:
+            last_stats = await asyncio.wait_for(poll_stats(), timeout=10.0)
+            timeline.append({"t": clock(), "in_flight": 0, **_sample(last_stats)})
+        except Exception:  # noqa: BLE001
+            pass
+    for rec in records:
+        if rec.status == "pending":   # accepted (or sent) and never answered within the run's bound
+            rec.status = "lost"
+            rec.error = rec.error or "no answer before the run's end"
+    not_sent = sum(s.num_requests for s in sessions) - len(records)
+    return RunResult(records, not_sent, clock(), timeline, last_stats)
+
+
+_SAMPLED = ("running", "waiting", "kv_usage", "preemptions", "prefix_hit_rate", "worker_restarts",
+            "recomputed_requests", "steps", "simulated_time_s")
+
+
+def _sample(stats: dict) -> dict:
+    return {k: stats[k] for k in _SAMPLED if k in stats}
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(result: RunResult) -> dict:
+    """The run's figures: counts, throughput (wall and simulated GPU time), latency percentiles, engine."""
+    recs = result.records
+    done = [r for r in recs if r.status == "completed"]
+    out_tokens = sum(len(r.output_token_ids) for r in done)
+    wall = result.wall_s
+    summary: dict[str, Any] = {
+        "requests": len(recs),
+        "completed": len(done),
+        "failed": sum(r.status == "failed" for r in recs),
+        "lost": sum(r.status == "lost" for r in recs),
+        "not_sent": result.not_sent,
+        "errors": sorted({r.error for r in recs if r.status == "failed"})[:10],
+        "wall_s": wall,
+        "prompt_tokens": sum(max(0, r.prompt_tokens) for r in done),
+        "output_tokens": out_tokens,
+        "requests_per_s": len(done) / wall if wall else 0.0,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+    }
+    for name, values in (("ttft_s", [r.ttft_s for r in done]), ("tpot_s", [r.tpot_s for r in done]),
+                         ("e2e_s", [r.e2e_s for r in done])):
+        values = [v for v in values if v is not None]
+        summary[name] = {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+    samples = [s for s in result.timeline if "running" in s]
+    summary["max_running"] = max((s["running"] for s in samples), default=None)
+    summary["max_waiting"] = max((s["waiting"] for s in samples), default=None)
+    summary["max_kv_usage"] = max((s["kv_usage"] for s in samples), default=None)
+    summary["mean_running"] = (sum(s["running"] for s in samples) / len(samples)) if samples else None
+    last = result.last_stats or {}
+    for key in ("preemptions", "worker_restarts", "recomputed_requests", "steps"):
+        summary[key] = last.get(key)
+    summary["prefix_hit_rate"] = last.get("prefix_hit_rate")
+    sim = last.get("simulated_time_s")
+    if sim is not None:
+        summary["simulated_gpu_s"] = sim
+        summary["sim_requests_per_s"] = len(done) / sim if sim else None
+        summary["sim_output_tokens_per_s"] = out_tokens / sim if sim else None
+    summary["events"] = [s["event"] for s in result.timeline if "event" in s]
+    return summary

@@ -1,0 +1,684 @@
+"""``swakv loadtest``: a multi-node Ray cluster on this host, the Serve app, an open-loop load, a report.
+
+The cluster is Ray's own ``cluster_utils.Cluster``: a head node with no CPUs (it runs the engine actor
+and Serve, as the head of ``ray_configs/cluster-aws-gpu.yaml`` does) and ``nodes - 1`` worker nodes
+whose CPUs stand for GPUs; the pipeline stages are spread over them. The same workload runs once per KV
+layout: window-aware (the preset as it is) and sliding-as-full (every layer allocated as full
+attention, as engines without hybrid support do; attention still reads only the window, so step times
+are the same and only memory differs). Faults are optional: ``--kill-worker-at`` kills stage 0's worker
+actor, ``--kill-node-at`` a worker node with a stage on it. Everything is torn down at the end, failed
+runs included; the report says whether any process of the cluster is left.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE
+from .launch import RAY_ENV, start_engine_actor
+from .llm import build_engine
+from .loadgen import WORKLOADS, check_number, load_trace, run_load, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAD_RESOURCE = "swakv_head"       # pins the engine actor and the Serve replica to the head node
+LAYOUTS = ("window_aware", "sliding_as_full")
+_WORKLOAD_KNOBS = ("sessions", "turns", "rate", "system_tokens", "user_tokens", "max_tokens", "think_s")
+
+
+@dataclass
+class LoadTestConfig:
+    """Everything a load test needs; ``check`` names the field of any bad value."""
+
+    model: str = "gemma-3-27b"
+    gpu: str = "H100-80GB"
+    real: bool = False                  # real tiny-model workers instead of simulated ones
+    nodes: int = 3                      # head + (nodes - 1) worker nodes
+    cpus_per_node: int = 2
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 2
+    kv_memory: int | None = 6 << 30     # per device; None: what the GPU leaves (swakv plan's default)
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    sleep_factor: float = 1.0           # simulated step time slept by the workers, x this
+    layouts: tuple[str, ...] = LAYOUTS
+    workload: str = "chat"
+    trace: str | None = None
+    workload_args: dict = field(default_factory=dict)   # overrides of the workload's own defaults
+    seed: int = 0
+    duration_s: float = 20.0            # no new request after this
+    drain_s: float = 30.0               # then this long for the ones in flight
+    kill_worker_at: float | None = None
+    kill_node_at: float | None = None
+    port: int | None = None             # None: a free one
+    out_dir: str | None = "loadtest-out"
+    progress: bool = True
+
+    def check(self) -> LoadTestConfig:
+        for name in ("nodes", "cpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "block_size",
+                     "max_num_batched_tokens"):
+            check_number(name, getattr(self, name), 1)
+        if self.nodes < 2:
+            raise ValueError(f"nodes must be >= 2 (a head and at least one worker node), got {self.nodes}")
+        if (self.nodes - 1) * self.cpus_per_node < self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} needs that many worker CPUs; "
+                             f"nodes={self.nodes} with cpus_per_node={self.cpus_per_node} give "
+                             f"{(self.nodes - 1) * self.cpus_per_node}")
+        if self.kv_memory is not None:
+            check_number("kv_memory", self.kv_memory, 1)
+        for name in ("sleep_factor", "duration_s", "drain_s"):
+            check_number(name, getattr(self, name), 0, integer=False, above=name == "duration_s")
+        for name in ("kill_worker_at", "kill_node_at"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), 0, integer=False)
+        if self.kill_node_at is not None and (self.nodes - 2) * self.cpus_per_node < self.pipeline_parallel_size:
+            raise ValueError(f"kill_node_at needs the worker nodes left after one dies to hold all "
+                             f"{self.pipeline_parallel_size} stages: (nodes - 2) x cpus_per_node >= "
+                             f"pipeline_parallel_size, got nodes={self.nodes}, cpus_per_node={self.cpus_per_node}")
+        if not self.layouts or any(x not in LAYOUTS for x in self.layouts):
+            raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {self.layouts!r}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        unknown = sorted(set(self.workload_args) - set(_WORKLOAD_KNOBS))
+        if unknown:
+            raise ValueError(f"workload_args: unknown field(s) {unknown}; known: {', '.join(_WORKLOAD_KNOBS)}")
+        if self.port is not None:
+            check_number("port", self.port, 1)
+        check_number("seed", self.seed, 0)
+        return self
+
+    def sessions(self):
+        """The workload (validated by its generator: a bad knob raises naming it)."""
+        if self.trace:
+            return load_trace(self.trace)
+        return WORKLOADS[self.workload](seed=self.seed, **self.workload_args)
+
+
+# -- the cluster ----------------------------------------------------------------------------------
+class LocalCluster:
+    """A head (0 CPUs) and ``nodes - 1`` worker nodes on this host, on loopback; a context manager."""
+
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2):
+        self.nodes, self.cpus_per_node = nodes, cpus_per_node
+        self.cluster = None
+        self.worker_nodes: list = []
+        self.pids: list[int] = []
+
+    def __enter__(self) -> LocalCluster:
+        for key, value in RAY_ENV.items():
+            os.environ.setdefault(key, value)
+        # Ray's worker processes import the engine builder and the cluster package from here.
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if str(ROOT) not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), *paths]))
+        import ray
+        from ray.cluster_utils import Cluster
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already initialised in this process; the load test brings up its own cluster")
+        try:
+            with _private_address():
+                self.cluster = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 0, "resources": {HEAD_RESOURCE: 1}, "include_dashboard": False})
+            self.worker_nodes = [self.cluster.add_node(num_cpus=self.cpus_per_node)
+                                 for _ in range(self.nodes - 1)]
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+            self.cluster.wait_for_nodes(timeout=60)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _all_pids(self) -> list[int]:
+        """The nodes' processes (GCS, raylets, agents) and every descendant (worker processes)."""
+        roots = {i.process.pid for node in [self.cluster.head_node, *self.cluster.worker_nodes]
+                 for infos in node.all_processes.values() for i in infos if i.process is not None}
+        return sorted(roots | _descendants(roots))
+
+    def __exit__(self, *exc) -> None:
+        import ray
+        try:
+            from ray import serve
+            if ray.is_initialized():
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - tearing down anyway
+            pass
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.pids = self._all_pids()
+            with _private_address():
+                self.cluster.shutdown()
+
+    def processes_left(self, wait_s: float = 10.0) -> int:
+        """How many of the cluster's processes are still alive (waiting up to ``wait_s`` for them to exit)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [pid for pid in self.pids if _alive(pid)]
+            if not alive or time.monotonic() > deadline:
+                return len(alive)
+            time.sleep(0.2)
+
+    def restore(self) -> None:
+        """Add worker nodes until there are ``nodes - 1`` again (after a node was killed), as an autoscaler would."""
+        while len(self.cluster.worker_nodes) < self.nodes - 1:
+            self.worker_nodes.append(self.cluster.add_node(num_cpus=self.cpus_per_node))
+        self.cluster.wait_for_nodes(timeout=60)
+
+    def node_index(self, node_id: str) -> int:
+        """0 for the head, i for the i-th worker node added (removed nodes keep their number)."""
+        if self.cluster.head_node.node_id == node_id:
+            return 0
+        return 1 + [n.node_id for n in self.worker_nodes].index(node_id)
+
+
+@contextlib.contextmanager
+def _private_address():
+    """Keep /tmp/ray/ray_current_cluster as it was: ``Cluster`` writes its address there (and deletes the
+    file at shutdown), and any plain ``ray.init()`` on this host would then join the load test's cluster."""
+    from ray._common.utils import get_ray_address_file
+    path = get_ray_address_file(None)
+    try:
+        with open(path, encoding="utf-8") as f:
+            before = f.read()
+    except OSError:
+        before = None
+    try:
+        yield
+    finally:
+        if before is None:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(before)
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """Every live descendant of ``roots``, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(build_kwargs: dict, layout: str, timeout_s: float = 300.0):
+    """The named engine actor on the head node, built for ``layout``; returns (handle, info)."""
+    return start_engine_actor({**build_kwargs, "sliding_as_full": layout == "sliding_as_full"}, max_restarts=0,
+                              timeout_s=timeout_s, resources={HEAD_RESOURCE: 0.01})
+
+
+def worker_names(engine) -> list[str]:
+    """The engine's current worker actors, stage by stage (from its stats)."""
+    import ray
+    return ray.get(engine.stats.remote(), timeout=60)["workers"]
+
+
+def _stage_worker(names: list[str], stage: int) -> str:
+    return next(n for n in names if n.startswith(f"swakv-worker-stage{stage}-"))
+
+
+def stop_engine(handle, timeout_s: float = 60.0) -> None:
+    """Stop the workers (and free their placement group), then the engine; wait until their names are free."""
+    import ray
+    try:
+        names = worker_names(handle)
+        ray.get(handle.__ray_call__.remote(lambda self: self.engine.executor.shutdown()), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - the engine may already be gone; its workers die with it
+        names = []
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while set(_named_actors()) & {*names, ENGINE_ACTOR_NAME}:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine or workers still alive {timeout_s:.0f} s after stopping them")
+        time.sleep(0.1)
+
+
+def _named_actors() -> list[str]:
+    import ray
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+
+
+def deploy_app(info: dict, port: int, timeout_s: float = 120.0) -> str:
+    """The Serve app, its replica on the head; returns its base URL once it answers."""
+    from ray import serve
+
+    from .serve import OpenAIServer
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    app = OpenAIServer.options(ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.01}}).bind(
+        ENGINE_ACTOR_NAME, NAMESPACE, info["model"], None, info["max_model_len"])
+    serve.run(app, name="swakv", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, timeout_s)
+    return url
+
+
+def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+    """Until /health answers 200 (the replica re-finds a new engine actor by name on its first call)."""
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url + "/health", timeout=10.0, trust_env=False)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.25)
+    raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:.0f} s (last: {last})")
+
+
+def warm_up(url: str, timeout_s: float = 60.0) -> None:
+    """One tiny request through every hop (proxy, replica, engine, workers), so neither layout's run pays
+    for first-call costs the other does not."""
+    import httpx
+    r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 2, "ignore_eos": True},
+                   timeout=timeout_s, trust_env=False)
+    if r.status_code != 200:
+        raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
+
+
+# -- faults ---------------------------------------------------------------------------------------
+def _node_id(_actor) -> str:
+    import ray
+    return ray.get_runtime_context().get_node_id()
+
+
+def stage_nodes(cluster: LocalCluster, engine, stages: int) -> list[int]:
+    """The node (0 = head) each pipeline stage's worker actor runs on now."""
+    import ray
+    names = worker_names(engine)
+    refs = [ray.get_actor(_stage_worker(names, i), namespace=NAMESPACE).__ray_call__.remote(_node_id)
+            for i in range(stages)]
+    return [cluster.node_index(n) for n in ray.get(refs, timeout=60)]
+
+
+def kill_worker_action(engine, stage: int = 0):
+    """Fault: ``ray.kill`` the named worker actor of ``stage``; the engine restarts its workers."""
+    async def kill_worker() -> str:
+        import ray
+        name = _stage_worker((await engine.stats.remote())["workers"], stage)
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        return f"killed worker {name}"
+    return kill_worker
+
+
+def kill_node_action(cluster: LocalCluster, engine, stage: int = 0):
+    """Fault: remove (SIGKILL) the worker node that holds ``stage``'s worker."""
+    async def kill_node() -> str:
+        import ray
+        name = _stage_worker((await engine.stats.remote())["workers"], stage)
+        node_id = await ray.get_actor(name, namespace=NAMESPACE).__ray_call__.remote(_node_id)
+        node = next(n for n in cluster.cluster.worker_nodes if n.node_id == node_id)
+        await asyncio.to_thread(cluster.cluster.remove_node, node, False)
+        return f"killed node {cluster.node_index(node_id)} (held {name})"
+    return kill_node
+
+
+# -- a whole load test ----------------------------------------------------------------------------
+def _build_kwargs(cfg: LoadTestConfig) -> dict:
+    kwargs = dict(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
+                  block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  kv_cache_memory=cfg.kv_memory, spread_stages=True, seed=0)
+    if not cfg.real:
+        kwargs.update(simulated_gpu=cfg.gpu, sleep_factor=cfg.sleep_factor)
+    return kwargs
+
+
+def preflight(cfg: LoadTestConfig) -> None:
+    """Build each layout's engine here, without Ray (simulated workers cost nothing): a model, GPU or
+    parallel size that cannot work fails now with the engine's own message, before any Ray process starts."""
+    if not cfg.real:
+        for layout in cfg.layouts:
+            build_engine(cfg.model, **{**_build_kwargs(cfg), "use_ray": False,
+                                       "sliding_as_full": layout == "sliding_as_full"})
+
+
+def run_layout(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, sessions, url_holder: dict) -> dict:
+    """Start the engine for ``layout``, run the workload through Serve, stop the engine; the summary."""
+    cluster.restore()
+    handle, info = start_engine({"model": cfg.model, **_build_kwargs(cfg)}, layout)
+    try:
+        placement = stage_nodes(cluster, handle, cfg.pipeline_parallel_size)
+        if "url" not in url_holder:
+            url_holder["url"] = deploy_app(info, cfg.port or _free_port())
+        else:
+            wait_healthy(url_holder["url"])
+        warm_up(url_holder["url"])
+        events = []
+        if cfg.kill_worker_at is not None:
+            events.append((cfg.kill_worker_at, kill_worker_action(handle)))
+        if cfg.kill_node_at is not None:
+            events.append((cfg.kill_node_at, kill_node_action(cluster, handle)))
+        result = asyncio.run(run_load(
+            sessions, url_holder["url"], duration_s=cfg.duration_s, drain_s=cfg.drain_s, seed=cfg.seed,
+            poll_stats=lambda: handle.stats.remote(), progress=cfg.progress, events=events,
+            request_id_prefix=f"{layout}-{cfg.seed}"))
+    finally:
+        stop_engine(handle)
+    summary = summarize(result)
+    summary["engine"] = {k: info.get(k) for k in ("num_blocks", "num_groups", "block_size", "kv_memory_bytes",
+                                                   "pipeline_parallel_size", "tensor_parallel_size", "max_model_len")}
+    summary["engine"]["stage_nodes"] = placement
+    return {"summary": summary, "result": result}
+
+
+def run_loadtest(cfg: LoadTestConfig) -> dict:
+    """Bring the cluster up, run every layout, tear it down; the report (summaries, timelines)."""
+    cfg.check()
+    sessions = cfg.sessions()
+    preflight(cfg)
+    started = time.monotonic()
+    runs: dict[str, dict] = {}
+    cluster = LocalCluster(cfg.nodes, cfg.cpus_per_node)
+    with cluster:
+        up_s = time.monotonic() - started
+        url_holder: dict = {}
+        for layout in cfg.layouts:
+            runs[layout] = run_layout(cluster, cfg, layout, sessions, url_holder)
+    report = {
+        "completed": sum(r["summary"]["completed"] for r in runs.values()),
+        "failed": sum(r["summary"]["failed"] for r in runs.values()),
+        "lost": sum(r["summary"]["lost"] for r in runs.values()),
+        "layouts": {k: r["summary"] for k, r in runs.items()},
+        "config": {k: v for k, v in asdict(cfg).items() if k not in ("progress",)},
+        "workload": {"sessions": len(sessions), "requests": sum(s.num_requests for s in sessions)},
+        "cluster": {"nodes": cfg.nodes, "cpus_per_node": cfg.cpus_per_node, "startup_s": round(up_s, 1),
+                    "processes_left": cluster.processes_left()},
+        "total_wall_s": round(time.monotonic() - started, 1),
+    }
+    report["_runs"] = runs
+    return report
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _fmt(value, kind: str = "") -> str:
+    if value is None:
+        return "-"
+    if kind == "ms":
+        return f"{value * 1e3:,.0f}"
+    if kind == "%":
+        return f"{value:.1%}"
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    return f"{value:,}"
+
+
+def format_report(report: dict) -> str:
+    cfg = report["config"]
+    layouts = list(report["layouts"])
+    labels = {"window_aware": "window-aware", "sliding_as_full": "sliding-as-full"}
+    rows = [
+        ("requests completed / failed / lost", lambda s: f"{s['completed']} / {s['failed']} / {s['lost']}"),
+        ("turns not sent (past duration)", lambda s: _fmt(s["not_sent"])),
+        ("throughput, requests/s (wall)", lambda s: _fmt(s["requests_per_s"])),
+        ("throughput, output tokens/s (wall)", lambda s: _fmt(s["output_tokens_per_s"])),
+        ("simulated GPU busy time, s", lambda s: _fmt(s.get("simulated_gpu_s"))),
+        ("throughput, output tokens/s (GPU time)", lambda s: _fmt(s.get("sim_output_tokens_per_s"))),
+    ]
+    for metric, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
+        rows.append((f"{title} p50 / p90 / p99, ms", lambda s, m=metric: " / ".join(
+            _fmt(s[m][q], "ms") for q in ("p50", "p90", "p99"))))
+    rows += [
+        ("running requests, mean / max", lambda s: f"{_fmt(s['mean_running'])} / {_fmt(s['max_running'])}"),
+        ("waiting requests, max", lambda s: _fmt(s["max_waiting"])),
+        ("KV usage, max", lambda s: _fmt(s["max_kv_usage"], "%")),
+        ("preemptions", lambda s: _fmt(s["preemptions"])),
+        ("prefix-cache hit rate", lambda s: _fmt(s["prefix_hit_rate"], "%")),
+        ("worker restarts / recomputed requests",
+         lambda s: f"{_fmt(s['worker_restarts'])} / {_fmt(s['recomputed_requests'])}"),
+        ("KV pool blocks x groups", lambda s: f"{s['engine']['num_blocks']:,} x {s['engine']['num_groups']}"),
+        ("pipeline stages on nodes (0 = head)", lambda s: ", ".join(map(str, s["engine"]["stage_nodes"]))),
+    ]
+    width = max(len(label) for label, _ in rows)
+    col = 20
+    kv = next(iter(report["layouts"].values()))["engine"]["kv_memory_bytes"]
+    lines = [
+        (f"swakv loadtest: {cfg['model']} on {'CPU (real workers)' if cfg['real'] else 'simulated ' + cfg['gpu']}, "
+         f"TP={cfg['tensor_parallel_size']} PP={cfg['pipeline_parallel_size']}, "
+         f"KV {kv / (1 << 30):.3g} GiB per device ({'given' if cfg['kv_memory'] else 'derived'}), "
+         f"{report['cluster']['nodes']} Ray nodes on this host"),
+        f"workload: {cfg['trace'] or cfg['workload']}, {report['workload']['sessions']} sessions / "
+        f"{report['workload']['requests']} requests, seed {cfg['seed']}"
+        + ("" if cfg["real"] else f", workers sleep simulated time x {cfg['sleep_factor']:g}"),
+        "",
+        f"{'':<{width}}  " + "  ".join(f"{labels[x]:>{col}}" for x in layouts),
+        f"{'-' * width}  " + "  ".join("-" * col for _ in layouts),
+    ]
+    for label, cell in rows:
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(report['layouts'][x]):>{col}}" for x in layouts))
+    for x in layouts:
+        s = report["layouts"][x]
+        for event in s["events"]:
+            lines.append(f"{labels[x]}: {event}")
+        for error in s["errors"]:
+            lines.append(f"{labels[x]}: error: {error}")
+    lines.append(f"\ntotal {report['total_wall_s']} s (cluster up in {report['cluster']['startup_s']} s); "
+                 f"cluster processes left after teardown: {report['cluster']['processes_left']}")
+    return "\n".join(lines)
+
+
+def write_plots(report: dict, out_dir: str) -> list[str]:
+    """PNG plots of KV usage, running and waiting requests over time, and latency percentiles."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    runs = report["_runs"]
+    colors = {"window_aware": "tab:blue", "sliding_as_full": "tab:red"}
+    labels = {"window_aware": "window-aware", "sliding_as_full": "sliding-as-full"}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    panels = ((axes[0][0], "kv_usage", "KV cache usage", 100.0), (axes[0][1], "running", "running requests", 1.0),
+              (axes[1][0], "waiting", "waiting requests", 1.0))
+    for ax, key, title, scale in panels:
+        for layout, run in runs.items():
+            pts = [(p["t"], p[key] * scale) for p in run["result"].timeline if key in p]
+            if pts:
+                ax.plot(*zip(*pts), color=colors[layout], label=labels[layout])
+            for p in run["result"].timeline:
+                if "event" in p:
+                    ax.axvline(p["t"], color=colors[layout], linestyle=":", linewidth=1)
+        ax.set_title(title + (" (%)" if scale == 100.0 else ""))
+        ax.set_xlabel("seconds since the load started")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax = axes[1][1]
+    width = 0.8 / max(1, len(runs))
+    names = ["TTFT p50", "TTFT p90", "TTFT p99", "E2E p50", "E2E p90", "E2E p99"]
+    for i, (layout, run) in enumerate(runs.items()):
+        s = run["summary"]
+        values = [(s[m][q] or 0.0) for m in ("ttft_s", "e2e_s") for q in ("p50", "p90", "p99")]
+        ax.bar([j + i * width for j in range(len(names))], values, width, color=colors[layout], label=labels[layout])
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(names))], names, rotation=30)
+    ax.set_title("latency (s, wall clock)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend()
+    cfg = report["config"]
+    fig.suptitle(f"swakv loadtest: {cfg['model']} ({'real' if cfg['real'] else 'simulated ' + cfg['gpu']}), "
+                 f"{cfg['trace'] or cfg['workload']}, {report['cluster']['nodes']} Ray nodes")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "loadtest.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    with open(os.path.join(out_dir, "loadtest.json"), "w", encoding="utf-8") as f:
+        json.dump(public_report(report), f, indent=2)
+    return [path]
+
+
+def public_report(report: dict) -> dict:
+    return {k: v for k, v in report.items() if not k.startswith("_")}
+
+
+# -- the command ----------------------------------------------------------------------------------
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+    return parse
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
+    knobs = {k: getattr(args, k) for k in _WORKLOAD_KNOBS if getattr(args, k) is not None}
+    layouts = {"both": LAYOUTS, "window-aware": ("window_aware",), "sliding-as-full": ("sliding_as_full",)}
+    pp = args.pipeline_parallel_size or (1 if args.real else LoadTestConfig.pipeline_parallel_size)
+    if args.kv_memory is None:   # not given: the default budget (simulated) or the CPU workers' default (real)
+        kv_memory = None if args.real else LoadTestConfig.kv_memory
+    else:
+        kv_memory = None if args.kv_memory == "auto" else args.kv_memory
+    cfg = LoadTestConfig(
+        model=args.model or ("default" if args.real else LoadTestConfig.model), gpu=args.gpu, real=args.real, nodes=args.nodes, cpus_per_node=args.cpus_per_node,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp,
+        kv_memory=kv_memory, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        sleep_factor=args.sleep_factor, layouts=layouts[args.layouts], workload=args.workload, trace=args.trace,
+        workload_args=knobs, seed=args.seed, duration_s=args.duration, drain_s=args.drain,
+        kill_worker_at=args.kill_worker_at, kill_node_at=args.kill_node_at, port=args.port, out_dir=args.out,
+        progress=not args.no_progress and not args.json)
+    return cfg
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Ray prints node deaths and log lines to stdout; keep stdout for the report (``--json`` parses it)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args).check()
+        cfg.sessions()   # a bad workload knob or trace line fails here, before any Ray process starts
+        with _stdout_to_stderr():
+            report = run_loadtest(cfg)
+    except (ValueError, TypeError) as exc:
+        print(f"swakv loadtest: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:   # the cluster could not do its part; it has been torn down
+        print(f"swakv loadtest: failed: {exc}", file=sys.stderr)
+        return 1
+    plots = write_plots(report, cfg.out_dir) if cfg.out_dir else []
+    if args.json:
+        print(json.dumps(public_report(report), indent=2))
+    else:
+        print(format_report(report))
+        for path in plots:
+            print(f"plot: {path}")
+    return 0 if report["lost"] == 0 and report["cluster"]["processes_left"] == 0 else 1
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``loadtest`` to a CLI's subcommands."""
+    from .planner import _size_arg
+    d = LoadTestConfig()
+    p = subparsers.add_parser(
+        "loadtest", help="multi-node load test on this host: window-aware vs sliding-as-full",
+        description="Bring up a Ray cluster of several nodes on this host, deploy the Serve app with simulated "
+                    "(or real tiny-model) workers, drive it over HTTP with an open-loop workload, report "
+                    "throughput, latency percentiles, KV usage and faults for each KV layout, and tear it all down.")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--model", default=None,
+                   help=f"a model preset or config.json (default {d.model}; with --real, the bundled tiny hybrid)")
+    g.add_argument("--gpu", default=d.gpu, help=f"GPU preset the simulated workers model (default {d.gpu})")
+    g.add_argument("--real", action="store_true", help="real tiny-model workers on CPU instead of simulated ones")
+    g.add_argument("--nodes", type=_positive(int), default=d.nodes, help="Ray nodes incl. the head (default 3)")
+    g.add_argument("--cpus-per-node", type=_positive(int), default=d.cpus_per_node)
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive(int), default=d.tensor_parallel_size)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive(int), default=None,
+                   help=f"pipeline stages, spread over the worker nodes (default {d.pipeline_parallel_size}; 1 with --real)")
+    g.add_argument("--kv-memory", type=lambda t: "auto" if t == "auto" else _size_arg(t), default=None,
+                   help="KV-cache memory per device (default 6GiB, so a load this machine can drive fills it; "
+                        "with --real, 256MiB); 'auto': what the GPU leaves, as swakv plan derives it")
+    g.add_argument("--block-size", type=_positive(int), default=d.block_size)
+    g.add_argument("--max-num-batched-tokens", type=_positive(int), default=d.max_num_batched_tokens)
+    g.add_argument("--sleep-factor", type=_non_negative, default=d.sleep_factor,
+                   help="workers sleep the simulated step time x this (default 1: real time; 0: as fast as "
+                        "the CPU goes, GPU time reported apart)")
+    g.add_argument("--layouts", choices=("both", "window-aware", "sliding-as-full"), default="both")
+    g.add_argument("--port", type=_positive(int), default=None, help="HTTP port on 127.0.0.1 (default: a free one)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=tuple(WORKLOADS), default=d.workload,
+                   help="chat: multi-turn, shared history; agent: loops over one long shared system prompt; "
+                        "qa: long documents, short answers")
+    w.add_argument("--trace", default=None, help="a JSONL trace instead (arrival_s, prompt or prompt_token_ids, "
+                                                 "max_tokens per line)")
+    w.add_argument("--rate", type=_positive(float), default=None, help="session arrivals per second (Poisson)")
+    w.add_argument("--sessions", type=_positive(int), default=None)
+    w.add_argument("--turns", type=_positive(int), default=None, help="requests per session")
+    w.add_argument("--system-tokens", type=_positive(int), default=None,
+                   help="system prompt (chat, agent) or document (qa) length")
+    w.add_argument("--user-tokens", type=_positive(int), default=None, help="new user text per turn")
+    w.add_argument("--max-tokens", type=_positive(int), default=None, help="answer length")
+    w.add_argument("--think-s", type=_non_negative, default=None, help="mean pause between a session's turns")
+    w.add_argument("--seed", type=int, default=d.seed)
+    r = p.add_argument_group("run")
+    r.add_argument("--duration", type=_positive(float), default=d.duration_s, help="seconds of arrivals per layout")
+    r.add_argument("--drain", type=_non_negative, default=d.drain_s, help="seconds to let requests in flight finish")
+    r.add_argument("--kill-worker-at", type=_non_negative, default=None, help="kill stage 0's worker actor then")
+    r.add_argument("--kill-node-at", type=_non_negative, default=None, help="kill the node holding stage 0 then")
+    r.add_argument("--out", default=d.out_dir, help="folder for loadtest.png and loadtest.json (default loadtest-out)")
+    r.add_argument("--json", action="store_true", help="print one JSON object (top level: completed, failed, lost, ...)")
+    r.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_run)
+    return p

@@ -1,0 +1,336 @@
+"""The load test: workloads, trace and config errors, and real multi-node runs through Serve.
+
+The cluster (a head and two worker nodes on this host) starts once for the module, in a subprocess of
+its own; five short runs go through it: one seeded chat workload on simulated gemma-3-27b workers
+(window-aware, window-aware with stage 0's worker killed mid-run, sliding-as-full) and a small one on
+real workers with the bundled tiny model (both layouts). Expected tokens come from the simulated
+worker's documented sampling rule (blake2b of seed, request seed, request id and position), recomputed
+here, and from transformers' dense greedy decode for the real model; expected pool sizes from
+gemma-3-27b's published shape, computed by hand below.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.loadgen import (
+    RequestRecord,
+    Session,
+    Turn,
+    agent_loops,
+    check_local_url,
+    document_qa,
+    multi_turn_chat,
+    parse_trace,
+    percentile,
+)
+from cluster.loadtest import LoadTestConfig, LocalCluster, register, run_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+GEMMA3_VOCAB = 262208          # google/gemma-3-27b-it config.json, text_config.vocab_size
+
+
+# -- workloads (no Ray) ----------------------------------------------------------------------------
+def test_chat_workload_is_a_function_of_its_seed_and_shares_history():
+    a = multi_turn_chat(sessions=5, turns=3, rate=2.0, system_tokens=100, user_tokens=20, max_tokens=7, seed=11)
+    assert a == multi_turn_chat(sessions=5, turns=3, rate=2.0, system_tokens=100, user_tokens=20,
+                                max_tokens=7, seed=11)
+    assert a != multi_turn_chat(sessions=5, turns=3, rate=2.0, system_tokens=100, user_tokens=20,
+                                max_tokens=7, seed=12)
+    assert [s.session_id for s in a] == ["chat0", "chat1", "chat2", "chat3", "chat4"]
+    assert a[0].start_s == 0.0 and all(x.start_s < y.start_s for x, y in itertools.pairwise(a))
+    for s in a:
+        assert s.carry_history and len(s.turns) == 3 and 50 <= len(s.prefix) <= 150
+        assert all(10 <= len(t.text) <= 30 and t.max_tokens == 7 for t in s.turns)
+        assert all(1 <= tok <= 255 for t in s.turns for tok in t.text)
+        assert s.turns[0].think_s == 0.0 and all(t.think_s > 0 for t in s.turns[1:])
+    assert len({s.prefix for s in a}) == 5             # every user has their own system prompt
+
+
+def test_agents_share_one_system_prompt_and_qa_shares_documents_without_history():
+    agents = agent_loops(sessions=4, turns=2, system_tokens=300, seed=1)
+    assert len({s.prefix for s in agents}) == 1 and all(s.carry_history for s in agents)
+    qa = document_qa(sessions=12, documents=2, system_tokens=500, max_tokens=4, seed=1)
+    assert len({s.prefix for s in qa}) == 2 and not any(s.carry_history for s in qa)
+    assert all(250 <= len(s.prefix) <= 750 and s.turns[0].max_tokens == 4 for s in qa)
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5          # between 2 and 3
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == 4.6      # 4 + 0.6 * (5 - 4)
+    assert percentile([7.0], 99) == 7.0 and percentile([], 50) is None
+
+
+# -- traces and configs: errors name the line and the field -----------------------------------------
+def test_trace_lines_parse_into_requests_sorted_by_arrival():
+    sessions = parse_trace(['{"arrival_s": 1.5, "prompt": "hello", "max_tokens": 4}', "",
+                            '{"arrival_s": 0, "prompt_token_ids": [5, 6, 7], "max_tokens": 2}'])
+    assert sessions == [Session("trace3", 0.0, (Turn((5, 6, 7), 2),), carry_history=False),
+                        Session("trace1", 1.5, (Turn("hello", 4),), carry_history=False)]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "trace line 2: not valid JSON"),
+    ("[1, 2]", "trace line 2: expected a JSON object, got list"),
+    ('{"prompt": "x", "max_tokens": 3}', "trace line 2: field 'arrival_s' is missing"),
+    ('{"arrival_s": -1, "prompt": "x", "max_tokens": 3}', "trace line 2: field 'arrival_s' must be a finite number >= 0"),
+    ('{"arrival_s": "soon", "prompt": "x", "max_tokens": 3}', "trace line 2: field 'arrival_s' must be"),
+    ('{"arrival_s": 1, "prompt": "x"}', "trace line 2: field 'max_tokens' is missing"),
+    ('{"arrival_s": 1, "prompt": "x", "max_tokens": 0}', "trace line 2: field 'max_tokens' must be an integer >= 1"),
+    ('{"arrival_s": 1, "prompt": "x", "max_tokens": 2.5}', "trace line 2: field 'max_tokens' must be an integer"),
+    ('{"arrival_s": 1, "max_tokens": 3}', "trace line 2: give exactly one of fields 'prompt' and 'prompt_token_ids'"),
+    ('{"arrival_s": 1, "prompt": "x", "prompt_token_ids": [1], "max_tokens": 3}', "give exactly one of fields"),
+    ('{"arrival_s": 1, "prompt": "", "max_tokens": 3}', "trace line 2: field 'prompt' must be a non-empty string"),
+    ('{"arrival_s": 1, "prompt_token_ids": [1, -2], "max_tokens": 3}',
+     "trace line 2: field 'prompt_token_ids' must be a non-empty list of integers >= 0"),
+    ('{"arrival_s": 1, "prompt_token_ids": [1, true], "max_tokens": 3}', "field 'prompt_token_ids'"),
+    ('{"arrival_s": 1, "prompt": "x", "max_tokens": 3, "temprature": 0}', "trace line 2: unknown field(s) 'temprature'"),
+])
+def test_malformed_trace_lines_name_the_line_and_field(line, message):
+    with pytest.raises(ValueError) as err:
+        parse_trace(['{"arrival_s": 0, "prompt": "ok", "max_tokens": 1}', line])
+    assert message in str(err.value)
+
+
+def test_trace_file_errors(tmp_path):
+    from cluster.loadgen import load_trace
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="empty.jsonl: holds no requests"):
+        load_trace(str(empty))
+    with pytest.raises(ValueError, match="cannot read it"):
+        load_trace(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"rate": 0}, "rate must be a finite number > 0"),
+    ({"sessions": 0}, "sessions must be an integer >= 1"),
+    ({"turns": 2.0}, "turns must be an integer >= 1"),
+    ({"max_tokens": True}, "max_tokens must be an integer >= 1"),
+    ({"think_s": float("nan")}, "think_s must be a finite number >= 0"),
+])
+def test_bad_workload_knobs_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        multi_turn_chat(**kwargs)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"nodes": 1}, "nodes must be >= 2"),
+    ({"nodes": 2, "cpus_per_node": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2 needs that many"),
+    ({"kill_node_at": 3.0, "nodes": 2}, "kill_node_at needs the worker nodes left after one dies to hold all 2"),
+    ({"kill_worker_at": -1.0}, "kill_worker_at must be a finite number >= 0"),
+    ({"duration_s": 0}, "duration_s must be a finite number > 0"),
+    ({"layouts": ("window_aware", "paged")}, "layouts must be a non-empty subset"),
+    ({"workload": "chess"}, "workload must be one of chat, agent, qa"),
+    ({"workload_args": {"session": 3}}, "workload_args: unknown field(s) ['session']"),
+    ({"kv_memory": 0}, "kv_memory must be an integer >= 1"),
+])
+def test_bad_load_test_configs_are_named(changes, message):
+    with pytest.raises(ValueError) as err:
+        LoadTestConfig(**changes).check()
+    assert message in str(err.value)
+
+
+def test_workload_knobs_are_checked_by_the_generator_they_feed():
+    with pytest.raises(ValueError, match="user_tokens must be an integer >= 1"):
+        LoadTestConfig(workload_args={"user_tokens": 0}).check().sessions()
+
+
+def test_command_line_refuses_bad_values_before_starting_anything(capsys):
+    parser = argparse.ArgumentParser(prog="swakv")
+    register(parser.add_subparsers(dest="command"))
+    for argv, message in ((["--rate", "0"], "argument --rate: '0' must be > 0"),
+                          (["--kv-memory", "lots"], "argument --kv-memory: 'lots' is not a size"),
+                          (["--layouts", "paged"], "argument --layouts: invalid choice")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["loadtest", *argv])
+        assert message in capsys.readouterr().err
+    args = parser.parse_args(["loadtest", "--trace", "/nonexistent/trace.jsonl"])
+    assert args.func(args) == 2
+    assert "trace '/nonexistent/trace.jsonl': cannot read it" in capsys.readouterr().err
+
+
+def test_the_load_generator_talks_only_to_loopback():
+    for url in ("http://10.0.0.5:8000", "http://localhost:8000", "https://127.0.0.1:8000", "http://127.0.0.1"):
+        with pytest.raises(ValueError, match="only talks to loopback"):
+            check_local_url(url)
+    assert check_local_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+
+
+# -- multi-node runs through Serve -------------------------------------------------------------------
+CONFIG = LoadTestConfig(
+    kv_memory=4 << 30, sleep_factor=1.0, duration_s=30.0, drain_s=60.0, progress=False, seed=5,
+    workload_args={"sessions": 4, "turns": 3, "rate": 4.0, "system_tokens": 256, "user_tokens": 48,
+                   "max_tokens": 24, "think_s": 0.1})
+
+
+RUNS = (("plain", "window_aware", None), ("killed", "window_aware", 1.5), ("full", "sliding_as_full", None),
+        ("real", "window_aware", None), ("real_full", "sliding_as_full", None))
+# The bundled tiny model (sliding W=64 + full layers) on real CPU workers; prompts run to ~400 tokens.
+REAL = dataclasses.replace(CONFIG, model="default", real=True, pipeline_parallel_size=1, kv_memory=None,
+                           workload_args={"sessions": 3, "turns": 2, "rate": 4.0, "system_tokens": 160,
+                                          "user_tokens": 40, "max_tokens": 8, "think_s": 0.1})
+
+
+def drive(out_path: str) -> None:
+    """In a process of its own: one cluster, every run of ``RUNS``, records and summaries to JSON."""
+    cfg = CONFIG.check()
+    cluster = LocalCluster(cfg.nodes, cfg.cpus_per_node)
+    out = {}
+    with cluster:
+        url: dict = {}
+        for name, layout, kill_at in RUNS:
+            base = REAL if name.startswith("real") else cfg
+            run = run_layout(cluster, dataclasses.replace(base, kill_worker_at=kill_at), layout, base.sessions(), url)
+            out[name] = {"summary": run["summary"], "timeline": run["result"].timeline,
+                         "records": [dataclasses.asdict(r) for r in run["result"].records]}
+    out["processes_left"] = cluster.processes_left()
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The runs, from a subprocess: its Ray cluster never meets a Ray runtime other tests keep in this one."""
+    out = tmp_path_factory.mktemp("loadtest") / "runs.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, __file__, "--drive", str(out)], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # the driver and every Ray process it started
+        log, _ = proc.communicate()
+        pytest.fail(f"the load-test driver ran over 100 s:\n{log[-3000:]}")
+    assert proc.returncode == 0, log[-3000:]
+    with open(out, encoding="utf-8") as f:
+        data = json.load(f)
+    for name, _, _ in RUNS:
+        data[name]["records"] = [RequestRecord(**r) for r in data[name]["records"]]
+    data["sessions"] = CONFIG.sessions()
+    data["real_sessions"] = REAL.sessions()
+    return data
+
+
+def _expected_tokens(record) -> list[int]:
+    """The simulated worker's rule: token at position p = blake2b(worker seed 0, request seed, id, p) mod vocab."""
+    out = []
+    for i in range(len(record.output_token_ids)):
+        key = f"0\x00{record.seed}\x00{record.response_id}\x00{record.prompt_tokens + i}".encode()
+        out.append(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % GEMMA3_VOCAB)
+    return out
+
+
+def _shape(run) -> list[tuple]:
+    return sorted((r.session_id, r.turn, r.prompt_tokens, len(r.output_token_ids), r.status) for r in run["records"])
+
+
+@pytest.mark.parametrize("name", ["plain", "killed", "full"])
+def test_every_request_completes_none_lost(runs, name):
+    s = runs[name]["summary"]
+    assert (s["requests"], s["completed"], s["failed"], s["lost"], s["not_sent"]) == (12, 12, 0, 0, 0)
+    assert s["output_tokens"] == 12 * 24 and s["errors"] == []
+    for rec in runs[name]["records"]:
+        assert rec.output_token_ids == _expected_tokens(rec), (rec.session_id, rec.turn)
+        assert rec.finish_reason == "length" and rec.ttft_s > 0 and rec.e2e_s >= rec.ttft_s
+
+
+def test_turns_carry_the_history_of_their_session(runs):
+    by_session = {s.session_id: s for s in runs["sessions"]}
+    for rec in runs["plain"]["records"]:
+        s = by_session[rec.session_id]
+        # prompt k = system prompt + every earlier (user text + 24-token answer) + user text k
+        expected = len(s.prefix) + sum(len(t.text) + 24 for t in s.turns[:rec.turn]) + len(s.turns[rec.turn].text)
+        assert rec.prompt_tokens == expected
+
+
+def test_stages_are_spread_over_the_worker_nodes(runs):
+    assert sorted(runs["plain"]["summary"]["engine"]["stage_nodes"]) == [1, 2]
+
+
+def test_a_worker_killed_mid_run_loses_nothing(runs):
+    s = runs["killed"]["summary"]
+    assert len(s["events"]) == 1 and re.fullmatch(r"killed worker swakv-worker-stage0-\S+", s["events"][0])
+    kill = next(p for p in runs["killed"]["timeline"] if "event" in p)
+    assert kill["in_flight"] >= 1                       # requests were being served when it died
+    assert s["worker_restarts"] == 1 and s["recomputed_requests"] >= 1
+
+
+def test_a_run_is_deterministic_for_its_seed(runs):
+    # Same prompts (lengths and history), same token counts, whichever layout and with or without the fault;
+    # the tokens themselves are the seeded function of each request checked above.
+    assert _shape(runs["plain"]) == _shape(runs["killed"]) == _shape(runs["full"])
+    assert [(r.session_id, r.turn, r.seed) for r in sorted(runs["plain"]["records"],
+                                                             key=lambda r: (r.session_id, r.turn))] == \
+        [(r.session_id, r.turn, r.seed) for r in sorted(runs["full"]["records"],
+                                                          key=lambda r: (r.session_id, r.turn))]
+
+
+def test_both_layouts_get_the_same_kv_bytes(runs):
+    # gemma-3-27b, PP=2: 31 layers per stage (26 sliding + 5 full), 16 KV heads x 128 x bf16, K and V.
+    # One layer's 16-token page: 2 x 16 x 128 x 2 B x 16 = 131,072 B. 4 GiB per device:
+    #   window-aware: gcd(26, 5) = 1 layer per group, 31 groups, a block is one page: 4 GiB / 131,072 = 32,768
+    #   sliding-as-full: one group of 31 layers, a block is 31 pages: 4 GiB / 4,063,232 = 1,057
+    wa, full = runs["plain"]["summary"]["engine"], runs["full"]["summary"]["engine"]
+    assert (wa["num_blocks"], wa["num_groups"]) == (32768, 31)
+    assert (full["num_blocks"], full["num_groups"]) == (1057, 1)
+    assert wa["kv_memory_bytes"] == full["kv_memory_bytes"] == 4 << 30
+
+
+def test_report_is_json_with_the_run_counts(runs):
+    from cluster.loadtest import format_report, public_report
+    report = {"completed": 36, "failed": 0, "lost": 0,
+              "layouts": {"window_aware": runs["plain"]["summary"], "sliding_as_full": runs["full"]["summary"]},
+              "config": {**CONFIG.__dict__, "layouts": list(CONFIG.layouts)},
+              "workload": {"sessions": 4, "requests": 12},
+              "cluster": {"nodes": 3, "cpus_per_node": 2, "startup_s": 0.0, "processes_left": 0},
+              "total_wall_s": 0.0, "_runs": {}}
+    data = json.loads(json.dumps(public_report(report)))
+    assert (data["completed"], data["failed"], data["lost"]) == (36, 0, 0) and "_runs" not in data
+    table = format_report(report)
+    assert "requests completed / failed / lost" in table and "12 / 0 / 0" in table
+
+
+@pytest.mark.parametrize("name", ["real", "real_full"])
+def test_real_workers_give_dense_greedy_tokens_in_both_layouts(runs, name):
+    """Real attention through the cluster, window-aware and sliding-as-full, against transformers' dense
+    greedy decode of the same model and prompts (history included): the layouts only move memory."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(ROOT / "models" / "swakv-tiny-hybrid",
+                                                              local_files_only=True).eval()
+    records = {(r.session_id, r.turn): r for r in runs[name]["records"]}
+    assert len(records) == 6 and all(r.status == "completed" for r in records.values())
+    for s in runs["real_sessions"]:
+        history = list(s.prefix)
+        for k, turn in enumerate(s.turns):
+            ids = history + list(turn.text)
+            prompt_len = len(ids)
+            with torch.no_grad():
+                for _ in range(turn.max_tokens):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            rec = records[(s.session_id, k)]
+            assert rec.prompt_tokens == prompt_len and rec.output_token_ids == ids[prompt_len:], (name, s.session_id, k)
+            history = ids
+    assert max(r.prompt_tokens for r in records.values()) > 2 * 64   # beyond the sliding window
+
+
+def test_teardown_leaves_no_process_of_the_cluster(runs):
+    assert runs["processes_left"] == 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--drive"]:
+    drive(sys.argv[2])
