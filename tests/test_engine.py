@@ -133,3 +133,29 @@ def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runti
         assert tokens == {f"r{i}": reference("tiny-gemma2", tuple(p), 8) for i, p in enumerate(PROMPTS[:3])}
     finally:
         engine.executor.shutdown()
+
+
+TRITON_SCRIPT = """
+import json, sys
+from cluster.llm import LLM
+prompts = json.loads(sys.argv[1])
+llm = LLM("tiny-gemma3", block_size=4, num_blocks=64, max_num_batched_tokens=8)
+print(json.dumps([o.output_token_ids for o in llm.generate(prompts, max_tokens=6)]))
+"""
+
+
+def test_engine_with_the_triton_backend_under_the_interpreter_gives_the_same_tokens():
+    """Every layer through the Triton kernel (run by Triton's interpreter on CPU tensors): prompts longer
+    than the window (8), prefilled in chunks of 8, then decoded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    prompts = [PROMPTS[0][:12], PROMPTS[1][:10]]
+    env = {**os.environ, "SWAKV_ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, json.dumps(prompts)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [reference("tiny-gemma3", tuple(p), 6) for p in prompts]
