@@ -17,6 +17,9 @@ class GroupCoordinator:
         self._search_order = sorted(self.groups, key=lambda g: g.drops)
         self._dropping = [g for g in self.groups if g.drops]
         self.alignment = lcm(*(s.block_size for s in specs))
+        self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
+        # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
+        self._quiet: dict[str, tuple[int, int, int]] = {}
 
     def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
         """The largest hit every group accepts, a multiple of ``alignment``, at most ``max_tokens``.
@@ -26,13 +29,12 @@ class GroupCoordinator:
         ends, and the result is the largest length valid for all groups.
         """
         align = self.alignment
-        hashes = {g.block_size: request.block_hashes(g.block_size) for g in self.groups}
         h = max_tokens // align * align
         settled = 0
         while h > 0 and settled < len(self.groups):
             settled = 0
             for g in self._search_order:
-                hg = g.longest_hit(hashes[g.block_size], h) // align * align
+                hg = g.longest_hit(request, h) // align * align
                 if hg == h:
                     settled += 1
                 else:
@@ -41,19 +43,24 @@ class GroupCoordinator:
                         break
         if h == 0:
             return tuple([] for _ in self.groups), 0
-        return tuple(g.hit_blocks(hashes[g.block_size], h) for g in self.groups), h
+        return tuple(g.hit_blocks(request, h) for g in self.groups), h
 
     def allocate(self, request: Request, num_computed: int, num_slots: int, num_cacheable: int,
                  hit: tuple[list[Block], ...]) -> tuple[list[int], ...] | None:
         """Drop, check capacity, allocate; ``None`` (and no change at all) when the pool is short.
 
-        Blocks the drop would free count as free; hit blocks waiting in the free queue count as taken.
-        A step that needs no new block (most decode steps) skips the check: dropping only frees.
+        Most decode steps change nothing (no new block, none to cache or drop): a request's thresholds
+        for that, kept since its last change, answer them with three comparisons. Otherwise: blocks the
+        drop would free count as free, hit blocks waiting in the free queue count as taken; a step that
+        needs no new block skips the capacity check, since dropping only frees.
         """
         rid = request.request_id
+        quiet = self._quiet.get(rid)
+        if quiet is not None and num_slots <= quiet[0] and num_cacheable < quiet[1] and num_computed < quiet[2]:
+            return tuple([] for _ in self.groups)
         groups = self.groups
         new = [g.num_new_blocks(rid, num_slots, len(h)) for g, h in zip(groups, hit)]
-        has_hit = any(hit)
+        has_hit = hit is not self.no_hit and any(hit)
         if has_hit or any(new):
             need = sum(new) - self.pool.num_free_blocks
             for g, blocks in zip(groups, hit):
@@ -66,8 +73,12 @@ class GroupCoordinator:
                     self.pool.touch(blocks)
         for g in self._dropping:        # all drops first: their blocks may be what the appends take
             g.drop(rid, num_computed)
-        return tuple([g.append(request, h, n, num_cacheable) for g, h, n in zip(groups, hit, new)])
+        out = tuple([g.append(request, h, n, num_cacheable) for g, h, n in zip(groups, hit, new)])
+        limits = [g.quiet_until(request) for g in groups]
+        self._quiet[rid] = (min(q[0] for q in limits), min(q[1] for q in limits), min(q[2] for q in limits))
+        return out
 
     def free(self, request_id: str) -> None:
+        self._quiet.pop(request_id, None)
         for g in self.groups:
             g.free(request_id)

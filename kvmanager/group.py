@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .block_pool import NULL_BLOCK_ID, Block, BlockPool
 from .request import Request
-from .specs import AttentionSpec
+from .specs import NEVER, AttentionSpec
 
 
 class KVCacheGroup:
@@ -18,46 +18,54 @@ class KVCacheGroup:
         self.block_size = spec.block_size
         self.pool = pool
         self.enable_caching = enable_caching
-        self.drops = spec.first_needed_token(1 << 62) > 0
+        self.drops = spec.first_needed_token(NEVER) > 0
         self.tables: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already in the cache
+        self._num_dropped: dict[str, int] = {}  # leading null entries of each table (nulls are a prefix)
 
     # -- prefix hits ---------------------------------------------------------------------------
-    def longest_hit(self, block_hashes: list[bytes], max_tokens: int) -> int:
+    def longest_hit(self, request: Request, max_tokens: int) -> int:
         """Longest hit in tokens, at most ``max_tokens``, that this group alone accepts."""
         cached = self.pool._cached[self.group_id]
-        max_blocks = min(max_tokens // self.block_size, len(block_hashes))
-        return self.spec.longest_hit(lambda i: block_hashes[i] in cached, max_blocks) * self.block_size
+        bs = self.block_size
+        hashes = request.block_hashes(bs, 0)
 
-    def hit_blocks(self, block_hashes: list[bytes], num_tokens: int) -> list[Block]:
+        def is_cached(i: int) -> bool:
+            if i >= len(hashes):   # hash lazily, a stretch at a time: the chain makes block i cost 0..i
+                request.block_hashes(bs, max(i + 1, 2 * len(hashes)))
+            return hashes[i] in cached
+
+        max_blocks = min(max_tokens, request.num_tokens) // bs
+        return self.spec.longest_hit(is_cached, max_blocks) * bs
+
+    def hit_blocks(self, request: Request, num_tokens: int) -> list[Block]:
         """The table of a hit of ``num_tokens``: nulls before the first needed block, cached blocks after."""
         end = num_tokens // self.block_size
         first = self.spec.first_needed_token(num_tokens) // self.block_size
+        hashes = request.block_hashes(self.block_size, end)
         get = self.pool.get_cached
-        return [self.pool.null_block] * first + [get(self.group_id, h) for h in block_hashes[first:end]]
+        return [self.pool.null_block] * first + [get(self.group_id, h) for h in hashes[first:end]]
 
     # -- dropping ------------------------------------------------------------------------------
-    def _droppable(self, table: list[Block], num_computed: int) -> range:
+    def _droppable(self, request_id: str, table: list[Block], num_computed: int) -> range:
         """Indices of real blocks lying wholly before what the next token can see."""
         stop = min(self.spec.first_needed_token(num_computed) // self.block_size, len(table))
-        start = stop
-        null = self.pool.null_block
-        while start > 0 and table[start - 1] is not null:  # nulls always form a prefix
-            start -= 1
-        return range(start, stop)
+        start = self._num_dropped[request_id]
+        return range(start, max(start, stop))
 
     def num_freed_by_drop(self, request_id: str, num_computed: int) -> int:
         table = self.tables.get(request_id)
         if not self.drops or not table:
             return 0
-        return sum(1 for i in self._droppable(table, num_computed) if table[i].ref_cnt == 1)
+        return sum(1 for i in self._droppable(request_id, table, num_computed) if table[i].ref_cnt == 1)
 
-    def _drop(self, table: list[Block], num_computed: int) -> None:
-        span = self._droppable(table, num_computed)
+    def _drop(self, request_id: str, table: list[Block], num_computed: int) -> None:
+        span = self._droppable(request_id, table, num_computed)
         if not span:
             return
         dropped = table[span.start:span.stop]
         table[span.start:span.stop] = [self.pool.null_block] * len(span)
+        self._num_dropped[request_id] = span.stop
         # A block shared through a prefix hit has proven useful to others: keep it in LRU order.
         # Blocks only this request ever used are the least likely to be hit again: evict them first,
         # so that finished requests' trailing windows survive longer.
@@ -73,10 +81,8 @@ class KVCacheGroup:
     def drop(self, request_id: str, num_computed: int) -> None:
         """Free what the request no longer needs (cheap when, as on most decode steps, nothing is)."""
         table = self.tables.get(request_id)
-        if table:
-            stop = self.spec.first_needed_token(num_computed) // self.block_size
-            if 0 < stop <= len(table) and table[stop - 1] is not self.pool.null_block:
-                self._drop(table, num_computed)
+        if table and self.spec.first_needed_token(num_computed) // self.block_size > self._num_dropped[request_id]:
+            self._drop(request_id, table, num_computed)
 
     def append(self, request: Request, hit: list[Block], num_new: int, num_cacheable: int) -> list[int]:
         """Append the (already referenced) hit blocks and ``num_new`` fresh ones, cache what is full;
@@ -86,6 +92,8 @@ class KVCacheGroup:
         if table is None:
             table = self.tables[rid] = []
             self._num_cached[rid] = len(hit)
+            null = self.pool.null_block
+            self._num_dropped[rid] = next((i for i, b in enumerate(hit) if b is not null), len(hit))
         added: list[int] = []
         if hit or num_new:
             blocks = hit + self.pool.take(num_new) if num_new else hit
@@ -108,10 +116,20 @@ class KVCacheGroup:
                 cache(block, gid, hashes[i])
         self._num_cached[rid] = end
 
+    def quiet_until(self, request: Request) -> tuple[int, int, int]:
+        """Below these (slots, cacheable tokens, computed tokens) a step changes nothing in this group:
+        no new block, no block to cache, nothing to drop."""
+        rid = request.request_id
+        bs = self.block_size
+        cache_at = (self._num_cached[rid] + 1) * bs if self.enable_caching else NEVER
+        drop_at = self.spec.computed_to_reach((self._num_dropped[rid] + 1) * bs) if self.drops else NEVER
+        return len(self.tables[rid]) * bs, cache_at, drop_at
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first, so the head of a shared prefix is evicted last."""
         table = self.tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)
+        self._num_dropped.pop(request_id, None)
         if table:
             self.pool.release([b for b in reversed(table) if b.block_id != NULL_BLOCK_ID])
 

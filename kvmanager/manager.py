@@ -52,10 +52,9 @@ class KVCacheManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.pool = BlockPool(num_blocks, len(groups))
         self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
+        self._no_hit = self.coordinator.no_hit
         self.stats = CacheStats()
         self._running: dict[str, Request] = {}
-        self._no_hit = tuple([] for _ in groups)
-        self._nothing_new = tuple([] for _ in groups)
 
     # -- queries -------------------------------------------------------------------------------
     @property

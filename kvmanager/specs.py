@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+NEVER = 1 << 62   # a token count no request reaches
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
                "int8": 1}
 
@@ -39,6 +41,10 @@ class AttentionSpec:
 
     def first_needed_token(self, num_computed: int) -> int:
         """Earliest position the token at ``num_computed`` (and every later one) may attend to."""
+        raise NotImplementedError
+
+    def computed_to_reach(self, token: int) -> int:
+        """Fewest computed tokens ``n`` with ``first_needed_token(n) >= token``: when a drop will next happen."""
         raise NotImplementedError
 
     def longest_hit(self, is_cached: Callable[[int], bool], max_blocks: int) -> int:
@@ -75,6 +81,9 @@ class FullAttention(AttentionSpec):
     def first_needed_token(self, num_computed: int) -> int:
         return 0
 
+    def computed_to_reach(self, token: int) -> int:
+        return NEVER if token > 0 else 0
+
 
 @dataclass(frozen=True)
 class SlidingWindow(AttentionSpec):
@@ -91,6 +100,9 @@ class SlidingWindow(AttentionSpec):
     def first_needed_token(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1)
 
+    def computed_to_reach(self, token: int) -> int:
+        return token + self.window - 1 if token > 0 else 0
+
 
 @dataclass(frozen=True)
 class ChunkedLocalAttention(AttentionSpec):
@@ -106,3 +118,6 @@ class ChunkedLocalAttention(AttentionSpec):
 
     def first_needed_token(self, num_computed: int) -> int:
         return (num_computed // self.chunk_size) * self.chunk_size
+
+    def computed_to_reach(self, token: int) -> int:
+        return -(-token // self.chunk_size) * self.chunk_size
