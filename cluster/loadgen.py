@@ -72,42 +72,46 @@ def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
     return out
 
 
-def multi_turn_chat(*, sessions: int = 24, turns: int = 4, rate: float = 2.0, system_tokens: int = 2048,
-                    user_tokens: int = 256, max_tokens: int = 64, think_s: float = 0.5,
-                    seed: int = 0) -> list[Session]:
-    """Chats: a per-user system prompt, then turns whose prompt is the history plus new user text."""
-    for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 0),
+def _start(seed: int, sessions: int, turns: int, rate: float, system_tokens: int, min_system: int,
+           user_tokens: int, max_tokens: int, think_s: float) -> random.Random:
+    """Check a session workload's knobs (naming the bad one); its random generator."""
+    for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, min_system),
                          ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1)):
         check_number(name, v, low)
     check_number("rate", rate, 0, integer=False, above=True)
     check_number("think_s", think_s, 0, integer=False)
     check_number("seed", seed, -2**63)
-    rng = random.Random(seed)
+    return random.Random(seed)
+
+
+def _turns(rng: random.Random, turns: int, user_tokens: int, max_tokens: int, think_s: float) -> tuple:
+    """New user text each turn; the first goes at once, later ones after an exponential think time."""
+    return tuple(Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
+                 for t in range(turns))
+
+
+def multi_turn_chat(*, sessions: int = 24, turns: int = 4, rate: float = 2.0, system_tokens: int = 2048,
+                    user_tokens: int = 256, max_tokens: int = 64, think_s: float = 0.5,
+                    seed: int = 0) -> list[Session]:
+    """Chats: a per-user system prompt, then turns whose prompt is the history plus new user text."""
+    rng = _start(seed, sessions, turns, rate, system_tokens, 0, user_tokens, max_tokens, think_s)
     starts = _arrivals(rng, sessions, rate)
     out = []
     for i, start in enumerate(starts):
         system = _text(rng, system_tokens) if system_tokens else ()
-        out.append(Session(f"chat{i}", start, tuple(
-            Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
-            for t in range(turns)), prefix=system, carry_history=True))
+        out.append(Session(f"chat{i}", start, _turns(rng, turns, user_tokens, max_tokens, think_s),
+                           prefix=system, carry_history=True))
     return out
 
 
 def agent_loops(*, sessions: int = 12, turns: int = 4, rate: float = 1.0, system_tokens: int = 4096,
                 user_tokens: int = 192, max_tokens: int = 48, think_s: float = 0.2, seed: int = 0) -> list[Session]:
     """Agents over one long system prompt shared by all: a task, then tool outputs fed back each step."""
-    for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 1),
-                         ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1)):
-        check_number(name, v, low)
-    check_number("rate", rate, 0, integer=False, above=True)
-    check_number("think_s", think_s, 0, integer=False)
-    check_number("seed", seed, -2**63)
-    rng = random.Random(seed)
+    rng = _start(seed, sessions, turns, rate, system_tokens, 1, user_tokens, max_tokens, think_s)
     shared = _text(rng, system_tokens)
     starts = _arrivals(rng, sessions, rate)
-    return [Session(f"agent{i}", start, tuple(
-        Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
-        for t in range(turns)), prefix=shared, carry_history=True) for i, start in enumerate(starts)]
+    return [Session(f"agent{i}", start, _turns(rng, turns, user_tokens, max_tokens, think_s), prefix=shared,
+                    carry_history=True) for i, start in enumerate(starts)]
 
 
 def document_qa(*, sessions: int = 24, turns: int = 1, rate: float = 1.0, system_tokens: int = 6144,

@@ -11,7 +11,7 @@ from .specs import AttentionSpec
 
 @dataclass
 class CacheStats:
-    """Prefix-cache counters since start (or the last ``reset_stats``)."""
+    """Prefix-cache and preemption counters since the manager started."""
 
     lookups: int = 0
     queried_tokens: int = 0
