@@ -75,13 +75,17 @@ class WorkerActor:
         self.worker = make_worker(kwargs)
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
     def execute(self, payload: bytes, hidden=None):
         out = self.worker.execute(decode_step(payload), hidden)
         return encode_output(out) if isinstance(out, StepOutput) else out
 
 
 class RayExecutor:
-    """One worker actor per device, all in one placement group named for what it holds.
+    """One worker actor per device, in one placement group named for what it holds (a bundle per stage).
 
     ``stage_kwargs`` holds one entry per worker, stage-major: ``ranks_per_stage`` tensor-parallel ranks
     (with ``tensor_parallel_size`` / ``tensor_parallel_rank`` set) per pipeline stage. Ranks are packed; stages too unless
@@ -118,17 +122,20 @@ class RayExecutor:
         self._generation += 1
         n = len(self.stage_kwargs)
         tp = self.ranks_per_stage
-        bundle = {"CPU": 1, **({"GPU": self.num_gpus} if self.num_gpus else {})}
-        strategy = "SPREAD" if self.spread_stages and n > 1 else "PACK"
+        pp = n // tp
+        # One bundle per stage holding all its ranks' devices: a bundle lives on one node, so a stage's
+        # tensor-parallel ranks are always packed; stages are packed, or spread when asked.
+        bundle = {"CPU": tp, **({"GPU": self.num_gpus * tp} if self.num_gpus else {})}
+        strategy = "SPREAD" if self.spread_stages and pp > 1 else "PACK"
         # Unique per start: a restarted engine must not meet the names of its dead predecessor's workers.
         token = f"{os.getpid()}-{self._generation}"
-        name = f"swakv-workers-tp{tp}-pp{n // tp}-{token}"
-        self.placement_group = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name)
+        name = f"swakv-{pp}-stages-of-{tp}-ranks-{token}"
+        self.placement_group = placement_group([dict(bundle) for _ in range(pp)], strategy=strategy, name=name)
         try:
             ray.get(self.placement_group.ready(), timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.placement_group)
-            raise RuntimeError(f"placement group {name} ({n} x {bundle}, {strategy}) could not be placed within "
+            raise RuntimeError(f"placement group {name} ({pp} x {bundle}, {strategy}) could not be placed within "
                                f"{self.start_timeout_s:.0f} s: the cluster lacks the resources") from None
         actor_cls = ray.remote(WorkerActor)
         env = {"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -137,7 +144,7 @@ class RayExecutor:
         self.actors = [
             actor_cls.options(num_cpus=1, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env, name=name,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                  placement_group=self.placement_group, placement_group_bundle_index=i)
+                                  placement_group=self.placement_group, placement_group_bundle_index=i // tp)
                               ).remote(kwargs)
             for i, (kwargs, name) in enumerate(zip(self.stage_kwargs, self.worker_names))]
         try:
@@ -153,13 +160,21 @@ class RayExecutor:
             self.shutdown()
             raise RuntimeError(f"worker actors failed to start: {exc}") from exc
         self._stages = [self.actors[s:s + tp] for s in range(0, n, tp)]
-        if self.compiled:
+        # A Compiled Graph only when every worker shares this process's node: across nodes, Ray 2.60's
+        # graph channels can crash a raylet when the graph is torn down (a worker lost, a restart).
+        here = ray.get_runtime_context().get_node_id()
+        nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=self.start_timeout_s)
+        if self.compiled and all(node == here for node in nodes):
             self._dag = self._compile()
 
     @staticmethod
     def _name(kwargs: dict, token: str) -> str:
         stage = kwargs.get("stage", kwargs.get("pipeline_stage", 0)) or 0
         return f"swakv-worker-stage{stage}-rank{kwargs.get('tensor_parallel_rank', 0)}-{token}"
+
+    @property
+    def uses_compiled_graph(self) -> bool:
+        return self._dag is not None
 
     def _compile(self):
         """The step as a Ray Compiled Graph: deltas in, each stage feeding the next (see docs/serving.md)."""

@@ -84,6 +84,7 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
     ray = ray_runtime
     engine, _ = build_engine("tiny-gemma2", block_size=4, num_blocks=200, max_num_batched_tokens=16, use_ray=True)
     try:
+        assert engine.executor.uses_compiled_graph   # one node: the step runs as a Compiled Graph
         for i, prompt in enumerate(PROMPTS[:4]):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10))
         tokens = {f"r{i}": [] for i in range(4)}
@@ -106,6 +107,7 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
                     finished[u.request_id] = u.finish_reason
             steps += 1
         stats = engine.stats()
+        assert engine.executor.uses_compiled_graph   # rebuilt after the restart
         assert stats["worker_restarts"] == 1
         assert stats["recomputed_requests"] >= 1
         assert finished == {f"r{i}": "length" for i in range(4)}
