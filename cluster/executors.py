@@ -30,10 +30,8 @@ class LocalExecutor:
         self.workers = [make_worker(kw) for kw in stage_kwargs]
 
     def execute(self, step: StepInput) -> StepOutput:
-        hidden = None
-        for worker in self.workers[:-1]:
-            hidden = worker.execute(step, hidden)
-        return self.workers[-1].execute(step, hidden)
+        from workers.worker import execute_pipeline
+        return execute_pipeline(self.workers, step)
 
     def restart(self) -> None:
         self.workers = [make_worker(kw) for kw in self.stage_kwargs]

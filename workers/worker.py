@@ -227,8 +227,9 @@ def _own_layout(specs: list[AttentionSpec], start: int, end: int, tensor_paralle
     return layout, start // (end - start)
 
 
-def execute_pipeline(stages: Sequence[Worker], step: StepInput) -> StepOutput:
-    """Run a step through consecutive stages in one process, checking it on every stage first."""
+def execute_pipeline(stages: Sequence, step: StepInput) -> StepOutput:
+    """Run a step through consecutive stages (real or simulated workers) in one process, checking it on
+    every stage first, so a bad step changes no stage."""
     for stage in stages:
         stage.check(step)
     out = None
