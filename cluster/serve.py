@@ -11,6 +11,7 @@ request there. Sampling is greedy unless ``temperature`` is set; ``max_tokens`` 
 import asyncio
 import json
 import random
+import re
 import time
 import uuid
 from typing import Literal
@@ -134,6 +135,18 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
                     else "invalid_request_error").response()
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(request: Request, kind: str) -> str:
+    """``cmpl-`` / ``chatcmpl-`` and the ``X-Request-Id`` header: the client's own (so load tests and
+    retries name their requests), else the one Serve's proxy assigns, which its logs carry too."""
+    given = request.headers.get("x-request-id") or uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise APIError(400, "X-Request-Id must be 1-128 characters of letters, digits and . _ : -")
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{given}"
 
 
 def _sse(payload: dict | str) -> str:
@@ -274,11 +287,11 @@ class OpenAIServer:
         if bad:
             raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}")
 
-    async def _respond(self, kind: str, body: _Body, prompt_ids: list[int], params: dict):
+    async def _respond(self, kind: str, body: _Body, prompt_ids: list[int], params: dict, request: Request):
+        request_id = _request_id(request, kind)
         await self._connect()  # learn the engine's vocabulary before checking ids against it
         self._check_ids(prompt_ids, "prompt")
         self._check_ids(list(params["stop_token_ids"]), "stop_token_ids")
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         items = self._items(request_id, prompt_ids, params)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if body.stream:
@@ -332,14 +345,14 @@ class OpenAIServer:
         params = self._params(body, body.max_tokens)
         prompt = body.prompt
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return await self._respond("completion", body, prompt_ids, params)
+        return await self._respond("completion", body, prompt_ids, params, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         body = await _parse(request, ChatBody)
         params = self._params(body, body.max_completion_tokens or body.max_tokens)
         prompt_ids = self.tokenizer.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await self._respond("chat", body, prompt_ids, params)
+        return await self._respond("chat", body, prompt_ids, params, request)
 
     @app.get("/v1/models")
     async def models(self):

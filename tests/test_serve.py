@@ -264,6 +264,15 @@ def test_unknown_route_and_nothing_left_behind(url):
     assert (stats["running"], stats["waiting"]) == (0, 0)
 
 
+def test_client_request_id_names_the_request(url):
+    body = {"prompt": PROMPT, "max_tokens": 3}
+    r = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "run-7.session-2:turn-1"}, timeout=60)
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-run-7.session-2:turn-1"
+    assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 3)
+    bad = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "has space"}, timeout=60)
+    assert bad.status_code == 400 and "X-Request-Id must be" in bad.json()["error"]["message"]
+
+
 def test_models_health_metrics(url):
     models = httpx.get(url + "/v1/models", timeout=30).json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, MAX_LEN)]
