@@ -64,25 +64,32 @@ class BlockPool:
             out.append(block)
         return out
 
-    def touch(self, blocks) -> None:
-        """Take references on prefix-hit blocks, pulling free ones out of the queue."""
+    def touch(self, blocks) -> int:
+        """Take references on prefix-hit blocks, pulling free ones out of the queue; how many were free."""
+        revived = 0
         for block in blocks:
             if block.block_id == NULL_BLOCK_ID:
                 continue
             if block.ref_cnt == 0:
                 del self._free[block.block_id]
+                revived += 1
             block.ref_cnt += 1
             block.shared = True
+        return revived
 
-    def release(self, blocks, evict_first: bool = False) -> None:
-        """Drop references; blocks no one holds join the free queue at the back, or the front."""
+    def release(self, blocks, evict_first: bool = False) -> int:
+        """Drop references; blocks no one holds join the free queue at the back, or the front.
+        Returns how many became free."""
         free = self._free
+        freed = 0
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 free[block.block_id] = block
+                freed += 1
                 if evict_first:
                     free.move_to_end(block.block_id, last=False)
+        return freed
 
     def cache(self, block: Block, group: int, block_hash: bytes) -> None:
         block.group = group

@@ -69,8 +69,8 @@ class GroupCoordinator:
             if need > 0:
                 return None
             if has_hit:
-                for blocks in hit:
-                    self.pool.touch(blocks)
+                for g, blocks in zip(groups, hit):
+                    g.num_held += self.pool.touch(blocks)
         for g in self._dropping:        # all drops first: their blocks may be what the appends take
             g.drop(rid, num_computed)
         out = tuple([g.append(request, h, n, num_cacheable) for g, h, n in zip(groups, hit, new)])

@@ -22,6 +22,7 @@ class KVCacheGroup:
         self.tables: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already in the cache
         self._num_dropped: dict[str, int] = {}  # leading null entries of each table (nulls are a prefix)
+        self.num_held = 0   # distinct blocks this group's tables hold (a block serves one group at a time)
 
     # -- prefix hits ---------------------------------------------------------------------------
     def longest_hit(self, request: Request, max_tokens: int) -> int:
@@ -69,8 +70,8 @@ class KVCacheGroup:
         # A block shared through a prefix hit has proven useful to others: keep it in LRU order.
         # Blocks only this request ever used are the least likely to be hit again: evict them first,
         # so that finished requests' trailing windows survive longer.
-        self.pool.release([b for b in dropped if not b.shared], evict_first=True)
-        self.pool.release([b for b in dropped if b.shared])
+        self.num_held -= self.pool.release([b for b in dropped if not b.shared], evict_first=True)
+        self.num_held -= self.pool.release([b for b in dropped if b.shared])
 
     # -- allocation ----------------------------------------------------------------------------
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
@@ -97,6 +98,7 @@ class KVCacheGroup:
         added: list[int] = []
         if hit or num_new:
             blocks = hit + self.pool.take(num_new) if num_new else hit
+            self.num_held += num_new
             table.extend(blocks)
             added = [b.block_id for b in blocks]
         if self.enable_caching:
@@ -131,7 +133,7 @@ class KVCacheGroup:
         self._num_cached.pop(request_id, None)
         self._num_dropped.pop(request_id, None)
         if table:
-            self.pool.release([b for b in reversed(table) if b.block_id != NULL_BLOCK_ID])
+            self.num_held -= self.pool.release([b for b in reversed(table) if b.block_id != NULL_BLOCK_ID])
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables[request_id]]

@@ -302,6 +302,11 @@ class KVMachine(RuleBasedStateMachine):
             assert ref == held[bid], (bid, ref, held[bid])
             assert (bid in free) == (ref == 0), (bid, ref)
         assert mgr.num_free_blocks == mgr.num_blocks - 1 - len(held)
+        per_group = [set() for _ in self.specs]
+        for rid in self.running:
+            for g, table in enumerate(mgr.get_block_ids(rid)):
+                per_group[g].update(b for b in table if b != NULL_BLOCK_ID)
+        assert mgr.blocks_held_per_group() == [len(ids) for ids in per_group]
         for rid in self.waiting:
             assert rid not in self.running
 
