@@ -93,6 +93,7 @@ class RayExecutor:
 
     def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0,
                  spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
+                 placement_timeout_s: float = 120.0,
                  compiled: bool = True, ranks_per_stage: int = 1):
         if len(stage_kwargs) % ranks_per_stage:
             raise ValueError(f"{len(stage_kwargs)} workers do not split into stages of {ranks_per_stage} ranks")
@@ -104,6 +105,7 @@ class RayExecutor:
         self.spread_stages = spread_stages
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.placement_timeout_s = placement_timeout_s
         self.last_payload_bytes = 0
         self.actors: list = []
         self._stages: list[list] = []
@@ -130,11 +132,11 @@ class RayExecutor:
         name = f"swakv-{pp}-stages-of-{tp}-ranks-{token}"
         self.placement_group = placement_group([dict(bundle) for _ in range(pp)], strategy=strategy, name=name)
         try:
-            ray.get(self.placement_group.ready(), timeout=self.start_timeout_s)
+            ray.get(self.placement_group.ready(), timeout=self.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.util.remove_placement_group(self.placement_group)
             raise RuntimeError(f"placement group {name} ({pp} x {bundle}, {strategy}) could not be placed within "
-                               f"{self.start_timeout_s:.0f} s: the cluster lacks the resources") from None
+                               f"{self.placement_timeout_s:.0f} s: the cluster lacks the resources") from None
         actor_cls = ray.remote(WorkerActor)
         env = {"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
                             "OMP_WAIT_POLICY": "PASSIVE"}}   # ranks sharing cores must not spin
