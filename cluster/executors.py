@@ -91,7 +91,7 @@ class RayExecutor:
     of stage ``k`` receives rank 0 of stage ``k-1``'s hidden states, never passing through the engine.
     """
 
-    def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0,
+    def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
                  spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
                  placement_timeout_s: float = 120.0,
                  compiled: bool = True, ranks_per_stage: int = 1):
@@ -102,6 +102,7 @@ class RayExecutor:
         self.compiled = compiled
         self._dag = None
         self.num_gpus = num_gpus_per_worker
+        self.num_cpus = num_cpus_per_worker
         self.spread_stages = spread_stages
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
@@ -125,7 +126,7 @@ class RayExecutor:
         pp = n // tp
         # One bundle per stage holding all its ranks' devices: a bundle lives on one node, so a stage's
         # tensor-parallel ranks are always packed; stages are packed, or spread when asked.
-        bundle = {"CPU": tp, **({"GPU": self.num_gpus * tp} if self.num_gpus else {})}
+        bundle = {"CPU": self.num_cpus * tp, **({"GPU": self.num_gpus * tp} if self.num_gpus else {})}
         strategy = "SPREAD" if self.spread_stages and pp > 1 else "PACK"
         # Unique per start: a restarted engine must not meet the names of its dead predecessor's workers.
         token = f"{os.getpid()}-{self._generation}"
@@ -142,7 +143,7 @@ class RayExecutor:
                             "OMP_WAIT_POLICY": "PASSIVE"}}   # ranks sharing cores must not spin
         self.worker_names = [self._name(kw, token) for kw in self.stage_kwargs]
         self.actors = [
-            actor_cls.options(num_cpus=1, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env, name=name,
+            actor_cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env, name=name,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   placement_group=self.placement_group, placement_group_bundle_index=i // tp)
                               ).remote(kwargs)

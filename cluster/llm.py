@@ -34,7 +34,8 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
                  enable_prefix_caching: bool = True, use_ray: bool = False, device: str | None = None,
-                 seed: int = 0, num_gpus_per_worker: float = 0.0, spread_stages: bool = False,
+                 seed: int = 0, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
+                 spread_stages: bool = False,
                  simulated_gpu: str | None = None, sleep_factor: float = 0.0, sliding_as_full: bool = False):
     """Check the layout, size the pool, start the workers; return (Engine, model info).
 
@@ -90,7 +91,8 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
             kw["layout"] = layout
     if use_ray:
         from .executors import RayExecutor
-        executor = RayExecutor(stage_kwargs, num_gpus_per_worker=num_gpus_per_worker, spread_stages=spread_stages,
+        executor = RayExecutor(stage_kwargs, num_gpus_per_worker=num_gpus_per_worker,
+                               num_cpus_per_worker=num_cpus_per_worker, spread_stages=spread_stages,
                                ranks_per_stage=1 if simulated_gpu else tp)
     else:
         from .executors import LocalExecutor

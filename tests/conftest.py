@@ -18,9 +18,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 def ray_runtime():
     import ray
     from cluster.engine_actor import NAMESPACE
-    # Logical CPUs (worker actors take one each): room for TP x PP = 4 workers while an earlier test's
-    # killed engine may still be giving its placement group back.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
     try:
         yield ray
     finally:

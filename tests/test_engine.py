@@ -121,7 +121,7 @@ def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runti
     # tiny-gemma2: 4 heads, 2 KV heads, MLP 128 -> 2 ranks each keep 2 heads, 1 KV head, 64 columns;
     # two stages of two ranks: four worker actors, one gloo world, one sub-group per stage.
     engine, info = build_engine("tiny-gemma2", tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4,
-                                num_blocks=200, max_num_batched_tokens=16, use_ray=True)
+                                num_blocks=200, max_num_batched_tokens=16, use_ray=True, num_cpus_per_worker=0.5)
     try:
         assert [n.rsplit("-", 2)[0] for n in engine.stats()["workers"]] == [
             "swakv-worker-stage0-rank0", "swakv-worker-stage0-rank1",
