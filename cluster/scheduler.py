@@ -1,9 +1,16 @@
 """The scheduler: which requests compute how many tokens each step, within a token budget.
 
 Running requests go first (a decode token or their next prefill chunk), in admission order; then waiting
-ones, each looked up in the prefix cache. When the pool is short, the most recently admitted running
-request that is not yet in this step is preempted: its blocks go back and it recomputes later (through
-the prefix cache). Long prompts are budgeted one chunk at a time, never whole at admission.
+ones, each looked up in the prefix cache. A chunk that does not fit shrinks (halving) until it does; only
+when not even one token fits is the most recently admitted running request that is not yet in this step
+preempted: its blocks go back and it recomputes later (through the prefix cache). Long prompts are
+budgeted one chunk at a time, never whole at admission.
+
+Progress: every accepted request finishes. Admission refuses a request that could not compute its last
+position even with the pool to itself (``blocks_to_finish``). The oldest running request is never
+preempted (only later ones are) and, alone, always fits one token, so it gains at least one token every
+step; preempted requests wait at the head of the queue in their admission order, so each in turn becomes
+the oldest. Hence all requests accepted by step ``t`` finish by step ``t + sum(prompt + max_tokens)``.
 """
 from __future__ import annotations
 
@@ -11,15 +18,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
-from kvmanager.planning import max_blocks_held
-from workers.protocol import ScheduledChunk, StepInput, StepOutput
+from kvmanager.planning import peak_blocks
+from workers.protocol import SEED_RANGE, ScheduledChunk, StepInput, StepOutput
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0
-    seed: int = 0
+    seed: int | None = None               # None: the engine draws one for the request (its own randomness)
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -27,8 +34,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
 
 
 @dataclass
@@ -39,7 +47,9 @@ class Sequence:
     params: SamplingParams
     status: str = "waiting"               # waiting | running | finished
     finish_reason: str | None = None      # length | stop | abort | error
+    error: str | None = None              # why, when finish_reason is "error"
     num_preemptions: int = 0
+    num_faults: int = 0                   # unexplained step failures in a row while it was scheduled
 
     @property
     def request_id(self) -> str:
@@ -52,6 +62,7 @@ class SequenceUpdate:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -61,6 +72,23 @@ class StepPlan:
     num_tokens: int = 0
     preempted: int = 0
     started: float = 0.0
+
+
+def blocks_to_finish(specs, num_tokens: int) -> int:
+    """Fewest pool blocks with which a request that ends at ``num_tokens`` tokens (prompt + max_tokens,
+    capped at max_model_len) is sure to finish once it has the pool to itself.
+
+    Its last token is sampled, never computed, so the positions computed are ``0 .. num_tokens - 2``.
+    Computing position ``c`` holds, after the drop, exactly the blocks covering ``first_needed_token(c)
+    .. c`` in every group, whatever came before: so the cheapest way through is one position per step,
+    and it needs the peak of that over ``c`` (``kvmanager.planning.peak_blocks``, exact). Nothing else
+    needs more and cannot shrink to it: a prefill chunk that does not fit halves down to one token; a
+    request restarting after preemption takes back a prefix hit of ``h`` tokens, which holds exactly
+    what computing position ``h`` holds (cached blocks in the free queue count as free until taken back);
+    a window smaller than a block still straddles two blocks, which the peak counts. Look-ahead slots
+    would widen every step by their count; this scheduler reserves none.
+    """
+    return peak_blocks(specs, num_tokens - 1)
 
 
 class Scheduler:
@@ -74,7 +102,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
-        self._forget: list[str] = []          # worker mirrors to drop at the next step
+        self._forget: list[str] = []          # finished or preempted requests whose mirrors may be stale
+        self._on_workers: set[str] = set()    # requests whose block-table mirrors the workers hold
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -87,10 +116,9 @@ class Scheduler:
         if seq.req.num_tokens >= limit:
             raise ValueError(f"request {rid!r}: prompt of {seq.req.num_tokens} tokens leaves no room to "
                              f"generate within max_model_len={limit}")
-        # Refuse what could never fit, instead of letting it wait forever at the head of the queue: even
-        # alone, its last decode step must fit (prefill chunks shrink to fit when nothing else runs).
+        # Refuse what could never finish, instead of letting it wait or preempt itself forever.
         total = min(seq.req.num_tokens + seq.params.max_tokens, limit)
-        need = sum(max_blocks_held(s, total) for s in self.manager.specs)
+        need = blocks_to_finish(self.manager.specs, total)
         if need > self.manager.num_blocks - 1:
             raise ValueError(f"request {rid!r}: {total} tokens need up to {need} KV blocks, the pool has "
                              f"{self.manager.num_blocks - 1}; shorten the prompt or max_tokens")
@@ -99,10 +127,15 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now (client went away). False if it is unknown or already finished."""
+        return self.fail(request_id, "abort")
+
+    def fail(self, request_id: str, reason: str = "error", error: str | None = None) -> bool:
+        """Finish a request with ``reason`` (abort, error); its blocks go back. False if unknown."""
         seq = self.sequences.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, "abort")
+        seq.error = error
+        self._finish(seq, reason)
         return True
 
     def has_work(self) -> bool:
@@ -114,25 +147,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan = StepPlan(StepInput(self._step_id, [], []))
         self._step_id += 1
-        scheduled_ids: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             req = seq.req
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new = mgr.allocate_slots(req, n)
-            while new is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                plan.preempted += 1
-                if victim is seq:
-                    break
-                new = mgr.allocate_slots(req, n)
+            n, new = self._fit_running(seq, min(req.num_tokens - req.num_computed_tokens, budget), plan)
             if new is None:
                 break  # seq preempted itself; everything after it is gone too
             self._add_chunk(plan, seq, req.num_computed_tokens, n, new)
-            scheduled_ids.add(seq.request_id)
             budget -= n
             i += 1
 
@@ -155,9 +178,31 @@ class Scheduler:
             budget -= n
 
         if plan.step.chunks:  # otherwise nothing is sent: keep the mirrors to drop for the next step
-            plan.step.forget, self._forget = self._forget, []
+            # Only mirrors the workers hold: a request that failed before its first chunk ran has none.
+            forget = list(dict.fromkeys(r for r in self._forget if r in self._on_workers))
+            self._on_workers.difference_update(forget)
+            plan.step.forget, self._forget = forget, []
         plan.num_tokens = self.max_num_batched_tokens - budget
         return plan
+
+    def _fit_running(self, seq: Sequence, n: int, plan: StepPlan):
+        """Allocate the largest chunk of at most ``n`` tokens that fits (halving); if not even one token
+        fits, preempt the newest running request and try again. Returns (tokens, new block ids), or
+        (0, None) once ``seq`` itself was the one preempted."""
+        mgr, req = self.manager, seq.req
+        while True:
+            m = n
+            new = mgr.allocate_slots(req, m)
+            while new is None and m > 1:
+                m //= 2
+                new = mgr.allocate_slots(req, m)
+            if new is not None:
+                return m, new
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted += 1
+            if victim is seq:
+                return 0, None
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, start: int, n: int, new_block_ids) -> None:
         req = seq.req
@@ -168,13 +213,22 @@ class Scheduler:
         plan.scheduled.append(seq)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SequenceUpdate]:
-        """Apply a step's results: advance computed counts, append sampled tokens, finish sequences."""
+        """Apply a step's results: advance computed counts, append sampled tokens, finish sequences.
+
+        A request the workers could not sample for (``output.failed``) finishes with reason "error"."""
         updates = []
+        failed = output.failed
         for chunk, seq in zip(plan.step.chunks, plan.scheduled):
+            self._on_workers.add(chunk.request_id)   # its mirror now exists, even if it finished meanwhile
             if seq.status != "running":
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran (its mirror is in _forget)
+            seq.num_faults = 0
             req = seq.req
             req.num_computed_tokens += len(chunk.token_ids)
+            if failed and seq.request_id in failed:
+                self.fail(seq.request_id, "error", failed[seq.request_id])
+                updates.append(SequenceUpdate(seq.request_id, [], True, "error", seq.error))
+                continue
             if not chunk.sample:
                 continue
             token = output.sampled[seq.request_id]
@@ -191,12 +245,24 @@ class Scheduler:
             updates.append(SequenceUpdate(seq.request_id, [token], reason is not None, reason))
         return updates
 
+    def drop_chunk(self, plan: StepPlan, request_id: str, error: str) -> SequenceUpdate | None:
+        """A step failed on one request's chunk before changing anything: fail that request and take its
+        chunk out, so the rest of the step can run again as it is. None if the step has no such chunk."""
+        for i, chunk in enumerate(plan.step.chunks):
+            if chunk.request_id == request_id:
+                del plan.step.chunks[i], plan.scheduled[i]
+                plan.num_tokens -= len(chunk.token_ids)
+                self.fail(request_id, "error", error)
+                return SequenceUpdate(request_id, [], True, "error", error)
+        return None
+
     def recompute_all(self) -> int:
         """Workers lost their KV (a fault): every running request starts over; nothing is lost."""
         victims = list(self.running)
         for seq in reversed(victims):
             self._preempt(seq)
         self._forget = []  # the new workers have no mirrors to drop
+        self._on_workers.clear()
         self.manager.reset_prefix_cache()
         return len(victims)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import reduce
-from math import gcd
+from math import gcd, lcm
 
 from .specs import AttentionSpec, FullAttention
 
@@ -72,6 +72,31 @@ def _probe_points(spec: AttentionSpec, context_len: int):
     chunk = getattr(spec, "chunk_size", None)
     if chunk and context_len > chunk:
         yield chunk - 1
+
+
+def peak_blocks(specs, num_positions: int) -> int:
+    """Most real blocks one request holds, all groups together, while positions ``0 .. num_positions - 1``
+    are computed one per step: the max over ``c`` of the blocks covering ``first_needed_token(c) .. c``.
+
+    Exact without scanning every ``c``: with ``P`` the lcm of the block sizes and chunk sizes, each
+    group holds at least as much at ``c + P`` as at ``c`` (full attention grows, a sliding window is
+    periodic in ``B`` once filled and grows while filling, a chunk is periodic in ``lcm(C, B)``), so the
+    max lies in the last ``P`` positions; there it lies just before some group drops a block, or at the end.
+    """
+    if num_positions <= 0:
+        return 0
+    period = lcm(*(lcm(s.block_size, getattr(s, "chunk_size", 1)) for s in specs))
+    low = max(0, num_positions - period)
+    candidates = {num_positions - 1}
+    for s in specs:
+        b = s.block_size
+        k = s.first_needed_token(low) // b + 1
+        while (drop := s.computed_to_reach(k * b)) < num_positions:   # first c whose window starts in block k
+            if drop - 1 >= low:
+                candidates.add(drop - 1)
+            k = max(k + 1, s.first_needed_token(drop) // b + 1)   # the next block whose start drops something
+    return max(sum(c // s.block_size - s.first_needed_token(c) // s.block_size + 1 for s in specs)
+               for c in candidates)
 
 
 def split_stages(layer_names: list[str], pipeline_parallel_size: int) -> list[list[str]]:
