@@ -19,7 +19,8 @@ def _serve(args: argparse.Namespace) -> int:
                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                  enable_prefix_caching=not args.no_prefix_caching, num_gpus_per_worker=args.num_gpus_per_worker,
                  spread_stages=args.spread_stages, simulated_gpu=args.simulated_gpu, device=args.device)
-    return serve_forever(build, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
+    return serve_forever(build, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus,
+                         dashboard=args.dashboard, max_body_bytes=args.max_body_bytes)
 
 
 def _add_serve(sub) -> None:
@@ -45,6 +46,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=_positive_int, default=8000)
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
     p.add_argument("--num-cpus", type=_positive_int, default=None, help="logical CPUs of the local Ray runtime")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start Ray's dashboard with the local runtime, so `ray list actors` and `serve status` work "
+                        "(off by default: it costs about 1 GB of memory)")
+    p.add_argument("--max-body-bytes", type=_size_arg, default=None,
+                   help="largest request body accepted, e.g. 8MiB (default); larger ones get HTTP 413")
     p.set_defaults(func=_serve)
 
 

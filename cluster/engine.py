@@ -1,17 +1,25 @@
 """The engine: scheduler + KV-cache manager + an executor of steps. A plain class; Ray wraps it.
 
-An executor has ``execute(StepInput) -> StepOutput`` and ``restart()``; it raises ``WorkerFailure`` when
-a worker is lost. Then the engine restarts the workers, and every running request recomputes from its
-tokens (prompt and what it generated so far): no accepted request is lost or answered twice.
+An executor has ``execute(StepInput) -> StepOutput`` and ``restart()``. One request never stops the
+engine. A step that fails because of one request's chunk (the workers raise ``RequestError`` naming it,
+before changing anything) fails that request alone and runs again without it; a row the workers cannot
+sample fails its request in ``apply``. Any other step failure (``WorkerFailure``: a worker lost or timed
+out; or an error nobody can attribute) restarts the workers, and every running request recomputes from
+its tokens (prompt and what it generated so far): nothing is lost or answered twice. A request that was
+in ``max_request_faults`` failed steps in a row is failed, so a request that breaks the workers in a way
+they cannot name cannot make them restart forever.
 """
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmanager import KVCacheManager, Request
 
-from .scheduler import SamplingParams, Scheduler, Sequence, SequenceUpdate
+from workers.protocol import find_request_error
+
+from .scheduler import SamplingParams, Scheduler, Sequence, SequenceUpdate, StepPlan
 
 
 class WorkerFailure(RuntimeError):
@@ -24,7 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
-    max_worker_restarts: int = 3
+    max_request_faults: int = 3            # unexplained step failures in a row before a request is failed
     vocab_size: int | None = None          # token ids must lie below it (checked before queueing)
 
 
@@ -50,7 +58,7 @@ class Engine:
                                       max_model_len=self.config.max_model_len)
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
-        self._restarts_in_a_row = 0
+        self._seeds = random.Random()   # seeded from the OS: requests without a seed differ run to run
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
                     extra_keys: tuple = ()) -> None:
@@ -60,7 +68,10 @@ class Engine:
         if vocab is not None and max(req.prompt_token_ids) >= vocab:
             raise ValueError(f"request {request_id!r}: token id {max(req.prompt_token_ids)} is outside the "
                              f"model's vocabulary [0, {vocab})")
-        self.scheduler.add(Sequence(req, params or SamplingParams()))
+        params = params or SamplingParams()
+        if params.seed is None:
+            params = replace(params, seed=self._seeds.getrandbits(63))
+        self.scheduler.add(Sequence(req, params))
 
     def abort(self, request_id: str) -> bool:
         aborted = self.scheduler.abort(request_id)
@@ -76,23 +87,29 @@ class Engine:
         plan = self.schedule()
         if plan is None:
             return []
-        try:
-            output = self.executor.execute(plan.step)
-        except WorkerFailure:
-            return self.recover()
-        return self.apply(plan, output)
+        updates = []
+        while True:
+            try:
+                output = self.executor.execute(plan.step)
+            except Exception as exc:  # noqa: BLE001 - every failure is someone's: a request's, or the workers'
+                failed = self.isolate(plan, exc)
+                if failed is not None:
+                    updates.append(failed)
+                    continue
+                return updates + self.recover(plan)
+            return updates + self.apply(plan, output)
 
-    # The three phases, for callers that run ``executor.execute`` off their event loop: ``schedule`` and
-    # ``apply`` mutate state and must not overlap ``add_request`` / ``abort``; ``execute`` touches none.
-    def schedule(self):
+    # The phases, for callers that run ``executor.execute`` off their event loop: ``schedule``, ``apply``,
+    # ``isolate``, ``blame`` and ``after_restart`` mutate state and must not overlap ``add_request`` /
+    # ``abort``; ``executor.execute`` and ``executor.restart`` touch none.
+    def schedule(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
         if not plan.step.chunks:
             return None
         plan.started = time.perf_counter()
         return plan
 
-    def apply(self, plan, output) -> list[SequenceUpdate]:
-        self._restarts_in_a_row = 0
+    def apply(self, plan: StepPlan, output) -> list[SequenceUpdate]:
         dt = time.perf_counter() - plan.started
         updates = self.scheduler.update(plan, output)
         m = self.metrics
@@ -102,20 +119,61 @@ class Engine:
         m.last_step_time_s = dt
         m.delta_bytes += getattr(self.executor, "last_payload_bytes", 0)
         m.simulated_time_s += output.simulated_time_s
-        for u in updates:
-            if u.finished:
-                m.finished[u.finish_reason] = m.finished.get(u.finish_reason, 0) + 1
+        self._count(updates)
         return updates
 
-    def recover(self) -> list[SequenceUpdate]:
-        """After a ``WorkerFailure``: restart the workers; running requests recompute from their tokens."""
-        self._restarts_in_a_row += 1
-        if self._restarts_in_a_row > self.config.max_worker_restarts:
-            raise RuntimeError(f"workers failed {self._restarts_in_a_row} steps in a row; giving up")
+    def isolate(self, plan: StepPlan, exc: BaseException) -> SequenceUpdate | None:
+        """If ``exc`` names one request of the step (``RequestError``), fail it and take its chunk out of
+        the plan, which can then run again as it is; None when nobody can be blamed."""
+        error = find_request_error(exc)
+        if error is None:
+            return None
+        update = self.scheduler.drop_chunk(plan, error.request_id, error.message)
+        if update is not None:
+            self._count([update])
+        return update
+
+    def blame(self, plan: StepPlan) -> list[SequenceUpdate]:
+        """A step failed with nobody to blame: count it against each request in it; fail those that were
+        in ``max_request_faults`` failed steps in a row."""
+        updates = []
+        for seq in plan.scheduled:
+            if seq.status != "running":
+                continue
+            seq.num_faults += 1
+            if seq.num_faults >= self.config.max_request_faults:
+                message = f"the workers failed {seq.num_faults} times in a row on steps computing this request"
+                self.scheduler.fail(seq.request_id, "error", message)
+                updates.append(SequenceUpdate(seq.request_id, [], True, "error", message))
+        self._count(updates)
+        return updates
+
+    def recover(self, plan: StepPlan | None = None) -> list[SequenceUpdate]:
+        """After a failed step nobody can be blamed for: restart the workers; running requests recompute
+        from their tokens. Raises what ``executor.restart`` raises when no worker can be started."""
+        updates = self.blame(plan) if plan is not None else []
         self.executor.restart()
+        self.after_restart()
+        return updates
+
+    def after_restart(self) -> None:
         self.metrics.worker_restarts += 1
         self.metrics.recomputed_requests += self.scheduler.recompute_all()
-        return []
+
+    def fail_all(self, message: str) -> list[SequenceUpdate]:
+        """Finish every request with reason "error" (no workers, shutting down)."""
+        updates = []
+        for rid in list(self.scheduler.sequences):
+            self.scheduler.fail(rid, "error", message)
+            updates.append(SequenceUpdate(rid, [], True, "error", message))
+        self._count(updates)
+        return updates
+
+    def _count(self, updates: list[SequenceUpdate]) -> None:
+        finished = self.metrics.finished
+        for u in updates:
+            if u.finished:
+                finished[u.finish_reason] = finished.get(u.finish_reason, 0) + 1
 
     def stats(self) -> dict:
         """A snapshot for /metrics: queue sizes, KV usage per group, prefix hits, preemptions, timings."""

@@ -1,7 +1,8 @@
 """Bring the service up: a Ray runtime, the named engine actor (which places its workers), the Serve app.
 
 ``swakv serve`` runs ``serve_forever``; the load test and the tests call the pieces. Ctrl-C or SIGTERM
-shuts down Serve and, when this process started it, the local Ray runtime: no Ray process is left.
+first tells every in-flight request that the server is shutting down (``stop_serving``), then shuts down
+Serve and, when this process started it, the local Ray runtime: no Ray process is left.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",   # keep every Ray process 
            "GLOO_SOCKET_IFNAME": "lo"}
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None):
-    """Connect to ``address`` or start a local runtime on loopback (no dashboard: it costs 1 GB here)."""
+def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = False):
+    """Connect to ``address`` or start a local runtime on loopback. The dashboard (``ray list actors``,
+    ``serve status``) only when asked: it costs about 1 GB here."""
     for key, value in RAY_ENV.items():
         os.environ.setdefault(key, value)
     import ray
@@ -27,8 +29,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None):
     if address:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     else:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace=NAMESPACE,
-                 log_to_driver=False)   # "local": a new runtime, never one another process started
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                 namespace=NAMESPACE, log_to_driver=False)   # "local": a new runtime, never one another process started
     return ray
 
 
@@ -57,18 +59,35 @@ def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max
     return handle, info
 
 
-def deploy(info: dict, *, host: str = "127.0.0.1", port: int = 8000, name: str = ENGINE_ACTOR_NAME):
-    from .serve import build_app, run
+def deploy(info: dict, *, host: str = "127.0.0.1", port: int = 8000, name: str = ENGINE_ACTOR_NAME,
+           max_body_bytes: int | None = None):
+    from .serve import DEFAULT_MAX_BODY_BYTES, build_app, run
     path = info.get("model_path")
     tokenizer_dir = path if path and os.path.isdir(path) else None
-    app = build_app(name, NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"])
+    app = build_app(name, NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"],
+                    max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     return run(app, host=host, port=port)
 
 
+def stop_serving(engine_handle, timeout_s: float = 30.0) -> int:
+    """Before tearing down: the engine refuses new requests and ends every stream with a "server is
+    shutting down" error; then Serve shuts down gracefully, which waits for the replicas to deliver those
+    last events. Returns how many requests were in flight. Bounded: nothing here can hang."""
+    import ray
+    try:
+        in_flight = ray.get(engine_handle.shutdown.remote(), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the engine is gone already: nothing to tell
+        print(f"swakv: the engine did not take the shutdown ({type(exc).__name__})", file=sys.stderr)
+        in_flight = 0
+    _stop_serve(timeout_s)
+    return in_flight
+
+
 def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-                  num_cpus: int | None = None) -> int:
-    ray = init_ray(address, num_cpus)
+                  num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None) -> int:
+    ray = init_ray(address, num_cpus, dashboard)
     started_here = not address
+    engine_handle = None
 
     def _stop(signum, frame):
         raise KeyboardInterrupt
@@ -77,23 +96,32 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
     try:
         print(f"swakv: starting engine and workers for {build_kwargs.get('model', 'default')} ...", flush=True)
         engine_handle, info = start_engine_actor(build_kwargs)  # held: a named actor lives while handles do
-        deploy(info, host=host, port=port)
+        deploy(info, host=host, port=port, max_body_bytes=max_body_bytes)
         print(f"swakv: serving {info['model']} on http://{host}:{port}  "
               f"({info['num_blocks']} KV blocks, {info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
               f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{info['model']}\", \"prompt\": \"The \", \"max_tokens\": 32}}'\n"
-              "Ctrl-C stops it.", flush=True)
+              + ("  dashboard: http://127.0.0.1:8265 (ray list actors, serve status)\n" if dashboard else "")
+              + "Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if started_here:
-            ray.shutdown()      # stops every process of the runtime it started, Serve's included
-        else:
-            _stop_serve(timeout_s=30)
+        old_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the goodbyes short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if engine_handle is not None:
+                n = stop_serving(engine_handle)
+                print(f"swakv: told {n} in-flight request(s) that the server is shutting down", file=sys.stderr)
+            else:
+                _stop_serve(timeout_s=30)
+            if started_here:
+                ray.shutdown()      # stops every process of the runtime it started
+        finally:
+            signal.signal(signal.SIGINT, old_sigint)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _stop_serve(timeout_s: float) -> None:

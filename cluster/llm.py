@@ -1,6 +1,7 @@
 """The offline ``LLM`` facade and ``build_engine``, which the Ray engine actor uses too."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,20 @@ def model_config(model: str):
     return transformers.AutoConfig.from_pretrained(model, local_files_only=True).get_text_config()
 
 
+def eos_token_ids(model: str, config) -> tuple[int, ...]:
+    """The ids generation stops at, as transformers' ``generate`` reads them: ``generation_config.json``'s
+    ``eos_token_id`` when the model directory has one, else the config's (an int or a list)."""
+    ids = None
+    path = os.path.join(model, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            ids = json.load(f).get("eos_token_id")
+    if ids is None:
+        ids = getattr(config, "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0)
+
+
 def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
@@ -54,6 +69,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         specs = preset.layer_specs(block_size)
         limit = preset.config.get("max_position_embeddings") or 131072
         vocab_size = preset.vocab_size
+        eos = ()   # simulated workers draw tokens at random: an EOS would only cut load tests short
         default_memory = default_kv_memory(preset, get_gpu(simulated_gpu), tp, pp)
         common = dict(kind="simulated", model=model, gpu=simulated_gpu, tensor_parallel_size=tp,
                       pipeline_parallel_size=pp, sleep_factor=sleep_factor, seed=seed,
@@ -70,6 +86,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         specs = layer_specs(config, block_size)
         limit = getattr(config, "max_position_embeddings", None) or 4096
         vocab_size = config.vocab_size
+        eos = eos_token_ids(model, config)
         default_memory = DEFAULT_KV_CACHE_MEMORY
         common = dict(model=model, seed=seed, device=device)
         bounds, start = [], 0
@@ -104,7 +121,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
     info = {"model": os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model,
             "model_path": model, "max_model_len": max_model_len, "num_blocks": num_blocks,
             "num_groups": len(layout.group_specs), "block_size": block_size, "simulated_gpu": simulated_gpu,
-            "vocab_size": vocab_size, "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
+            "vocab_size": vocab_size, "eos_token_ids": list(eos), "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
     return engine, info
 
@@ -114,8 +131,9 @@ class CompletionOutput:
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    finish_reason: str
+    finish_reason: str                   # length | stop | error
     text: str | None = None
+    error: str | None = None             # why, when finish_reason is "error"
 
 
 class LLM:
@@ -139,13 +157,19 @@ class LLM:
             self._tokenizer = load_tokenizer(path if os.path.isdir(path) else None)
         return self._tokenizer
 
-    def generate(self, prompts, max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
-                 stop_token_ids=(), use_tqdm: bool = False) -> list[CompletionOutput]:
-        """Prompts: lists of token ids, or strings (tokenized with the model's tokenizer)."""
+    def generate(self, prompts, max_tokens: int = 32, temperature: float = 0.0, seed: int | None = None,
+                 stop_token_ids=(), ignore_eos: bool = False, use_tqdm: bool = False) -> list[CompletionOutput]:
+        """Prompts: lists of token ids, or strings (tokenized with the model's tokenizer).
+
+        Generation stops at the model's EOS (``generation_config.json`` / config ``eos_token_id``, kept in
+        the output as transformers does) unless ``ignore_eos``, or at ``stop_token_ids``. Without a
+        ``seed`` every request draws its own randomness; with one, every request samples with that seed
+        (as vLLM's ``SamplingParams.seed``), so results are reproducible."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
+        stop = tuple(stop_token_ids) + (() if ignore_eos else tuple(self.info.get("eos_token_ids", ())))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=tuple(stop_token_ids))
+                                stop_token_ids=tuple(dict.fromkeys(stop)))
         texts = [isinstance(p, str) for p in prompts]
         token_prompts = [self.tokenizer.encode(p) if t else list(p) for p, t in zip(prompts, texts)]
         ids = []
@@ -162,7 +186,7 @@ class LLM:
                 self.engine.abort(rid)
             raise
         outputs = {rid: [] for rid in ids}
-        reasons = {}
+        reasons, errors = {}, {}
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -175,10 +199,11 @@ class LLM:
                     outputs[update.request_id].extend(update.new_token_ids)
                     if update.finished:
                         reasons[update.request_id] = update.finish_reason
+                        errors[update.request_id] = update.error
                         if progress:
                             progress.update(1)
         if progress:
             progress.close()
         return [CompletionOutput(rid, tokens, outputs[rid], reasons[rid],
-                                 self.tokenizer.decode(outputs[rid]) if is_text else None)
+                                 self.tokenizer.decode(outputs[rid]) if is_text else None, errors[rid])
                 for rid, tokens, is_text in zip(ids, token_prompts, texts)]

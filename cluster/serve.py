@@ -2,10 +2,15 @@
 
 Replicas hold no model: they tokenise, validate, and relay the engine's per-request token streams, so
 several replicas can share one engine. Everything a client can get wrong is answered with a 4xx and a
-JSON error body before the engine sees the request; an engine that dies mid-request turns into a 503
-(an SSE error event once a stream has started) that says the request can be retried, and the next
-request looks the engine up again. A client that goes away cancels its engine stream, which aborts the
-request there. Sampling is greedy unless ``temperature`` is set; ``max_tokens`` defaults to 16.
+JSON error body (OpenAI's shape) before the engine sees the request: every field within a range the
+engine carries, bodies over ``max_body_bytes`` (413) before they are parsed, prompts over the context
+before they reach the engine. Parsing large bodies and tokenising run in a thread, so one huge request
+never stalls the others or ``/health``. An engine that dies mid-request turns into a 503 (an SSE error
+event once a stream has started) that says the request can be retried, and the next request looks the
+engine up again; a request the engine fails alone gets a 500. A client that goes away cancels its
+engine stream, which aborts the request there. ``X-Request-Id`` is the client's label for its request,
+echoed back (by Serve's proxy); the engine names requests itself. Sampling is greedy unless ``temperature`` is set;
+``max_tokens`` defaults to 16.
 """
 
 import asyncio
@@ -24,10 +29,16 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .tokenizer import StreamDecoder, load_tokenizer
+from workers.protocol import SEED_RANGE
+
+from .engine_actor import EngineUnavailable
+from .tokenizer import ByteTokenizer, StreamDecoder, load_tokenizer
 
 ENGINE_CALL_TIMEOUT_S = 30.0
+HEALTH_TIMEOUT_S = 5.0
 RETRY_MESSAGE = "the engine restarted while serving this request; it can be retried"
+DEFAULT_MAX_BODY_BYTES = 8 << 20   # a 128k-token prompt as JSON-escaped text or token ids needs ~1 MB
+PARSE_IN_THREAD_BYTES = 64 << 10   # parse and tokenise bodies larger than this off the event loop
 
 
 # -- request bodies -----------------------------------------------------------------------------
@@ -37,7 +48,7 @@ class _Body(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])   # int64, as OpenAI and vLLM
     n: Literal[1] = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
@@ -78,19 +89,35 @@ class ChatBody(_Body):
 
 # -- errors -------------------------------------------------------------------------------------
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
+    """An error response in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, ``code`` a
+    string or null."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", *,
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
 
 def _engine_restarted() -> APIError:
-    return APIError(503, RETRY_MESSAGE, "engine_restarted")
+    return APIError(503, RETRY_MESSAGE, "engine_restarted", code="engine_restarted")
+
+
+_ENGINE_ERRORS = {   # an engine item's error_type -> (status, type)
+    "request_failed": (500, "server_error"),
+    "engine_unavailable": (503, "engine_unavailable"),
+    "server_shutting_down": (503, "server_shutting_down"),
+}
+
+
+def _from_item(item: dict) -> APIError:
+    status, type_ = _ENGINE_ERRORS.get(item.get("error_type"), (500, "server_error"))
+    return APIError(status, item.get("error") or "the request failed", type_, code=item.get("error_type"))
 
 
 def _from_engine(exc: BaseException) -> APIError:
@@ -100,26 +127,51 @@ def _from_engine(exc: BaseException) -> APIError:
     if isinstance(exc, RayActorError):
         return _engine_restarted()
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the engine's own exception
+    if isinstance(cause, EngineUnavailable):
+        type_ = "server_shutting_down" if cause.status == "stopping" else "engine_unavailable"
+        return APIError(503, cause.message, type_, code=type_)
     if isinstance(cause, (ValueError, TypeError)):
         return APIError(400, str(cause))
-    return APIError(503, f"engine error: {cause}", "engine_error")
+    return APIError(503, f"engine error: {cause}", "engine_error", code="engine_error")
 
 
-def _validation_message(err: ValidationError) -> str:
-    parts = []
+def _validation_error(err: ValidationError) -> APIError:
+    parts, param = [], None
     for e in err.errors(include_url=False):
         if e["type"] == "json_invalid":
-            return f"request body is not valid JSON: {e['ctx'].get('error', e['msg'])}"
+            return APIError(400, f"request body is not valid JSON: {e['ctx'].get('error', e['msg'])}")
         loc = ".".join(str(p) for p in e["loc"])
         parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
-    return "; ".join(parts)
+        param = param or loc or None
+    return APIError(400, "; ".join(parts), param=param)
 
 
-async def _parse(request: Request, body_type: type[_Body]) -> _Body:
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` (by its Content-Length, or
+    while it streams in), so a huge body is never held whole."""
+    def too_large() -> APIError:
+        return APIError(413, f"request body exceeds {limit} bytes (the server's --max-body-bytes)",
+                        code="request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, body_type: type[_Body], limit: int) -> _Body:
+    raw = await _read_body(request, limit)
     try:
-        return body_type.model_validate_json(await request.body())
+        if len(raw) > PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(body_type.model_validate_json, raw)
+        return body_type.model_validate_json(raw)
     except ValidationError as err:
-        raise APIError(400, _validation_message(err)) from None
+        raise _validation_error(err) from None
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -137,15 +189,18 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
                     else "invalid_request_error").response()
 
 
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def _request_id(request: Request, kind: str) -> str:
     """``cmpl-`` / ``chatcmpl-`` and the ``X-Request-Id`` header: the client's own (so load tests and
-    retries name their requests), else the one Serve's proxy assigns, which its logs carry too."""
+    retries name their requests), else the one Serve's proxy assigns, which its logs carry too. Only a
+    label: two requests may share it, and the engine gives each its own id."""
     given = request.headers.get("x-request-id") or uuid.uuid4().hex
     if not _REQUEST_ID.fullmatch(given):
-        raise APIError(400, "X-Request-Id must be 1-128 characters of letters, digits and . _ : -")
+        raise APIError(400, "X-Request-Id must be 1-128 characters of letters, digits and . _ : -",
+                       param="X-Request-Id")
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{given}"
 
 
@@ -153,11 +208,13 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _stop(engine, stream, request_id: str) -> None:
-    """Cancel the engine's stream (its generator aborts the request) and abort it outright as well."""
+def _stop(engine, stream, request_id: str | None) -> None:
+    """Cancel the engine's stream (its generator aborts the request) and, once the engine's id for it is
+    known, abort it outright as well: that id is unique, so this can never reach another request."""
     try:
         ray.cancel(stream)
-        engine.abort.remote(request_id)
+        if request_id is not None:
+            engine.abort.remote(request_id)
     except RayActorError:
         pass  # the engine is gone, and the request with it
 
@@ -207,13 +264,15 @@ def prometheus_text(stats: dict) -> str:
 @serve.ingress(app)
 class OpenAIServer:
     def __init__(self, engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None,
-                 max_model_len: int):
+                 max_model_len: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine_name, self.namespace = engine_name, namespace
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.max_body_bytes = max_body_bytes
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.created = int(time.time())
         self._engine = None
         self._vocab_size = self.tokenizer.vocab_size
+        self._eos_token_ids: tuple[int, ...] = ()
 
     # -- engine connection ------------------------------------------------------------------------
     async def _connect(self):
@@ -223,8 +282,9 @@ class OpenAIServer:
                 info = await asyncio.wait_for(engine.ready.remote(), ENGINE_CALL_TIMEOUT_S)
             except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
                 raise APIError(503, f"engine {self.engine_name!r} is not available ({type(exc).__name__}); "
-                               "the request can be retried", "engine_restarted") from None
+                               "the request can be retried", "engine_restarted", code="engine_restarted") from None
             self._vocab_size = (info or {}).get("vocab_size", self._vocab_size)
+            self._eos_token_ids = tuple((info or {}).get("eos_token_ids", ()))
             self._engine = engine
         return self._engine
 
@@ -236,11 +296,11 @@ class OpenAIServer:
             self._engine = None
             raise _engine_restarted() from None
 
-    async def _start(self, request_id: str, prompt_ids: list[int], params: dict):
+    async def _start(self, label: str, prompt_ids: list[int], params: dict):
         """Submit and await the first item, so a refused request is an HTTP error, not a broken stream."""
         for attempt in (0, 1):  # a handle cached from a dead engine gets one fresh look-up
             engine = await self._connect()
-            stream = engine.generate.options(num_returns="streaming").remote(request_id, prompt_ids, params)
+            stream = engine.generate.options(num_returns="streaming").remote(label, prompt_ids, params)
             try:
                 return engine, stream, await (await stream.__anext__())
             except RayActorError:
@@ -248,19 +308,24 @@ class OpenAIServer:
                 if attempt:
                     raise _engine_restarted() from None
             except asyncio.CancelledError:  # the client left before the first token
-                _stop(engine, stream, request_id)
+                _stop(engine, stream, None)
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine's own refusal
                 raise _from_engine(exc) from None
 
-    async def _items(self, request_id: str, prompt_ids: list[int], params: dict):
-        """The engine's items for one request; if the consumer stops early, the engine stops too."""
-        engine, stream, item = await self._start(request_id, prompt_ids, params)
+    async def _items(self, label: str, prompt_ids: list[int], params: dict):
+        """The engine's items for one request; if the consumer stops early, the engine stops too. An item
+        that ends the request with an error is raised as the ``APIError`` it maps to."""
+        engine, stream, item = await self._start(label, prompt_ids, params)
+        request_id = item["request_id"]   # the engine's own, unique id
         try:
-            yield item
-            while not item["finished"]:
-                item = await (await stream.__anext__())
+            while True:
+                if item["finish_reason"] == "error":
+                    raise _from_item(item)
                 yield item
+                if item["finished"]:
+                    break
+                item = await (await stream.__anext__())
         except RayActorError:
             self._engine = None
             raise _engine_restarted() from None
@@ -274,26 +339,35 @@ class OpenAIServer:
     def _params(self, body: _Body, max_tokens: int | None) -> dict:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error")
+                           param="model", code="model_not_found")
         stop = list(body.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None and not body.ignore_eos:
-            stop.append(self.tokenizer.eos_token_id)
+        if not body.ignore_eos:
+            stop += [t for t in (self.tokenizer.eos_token_id, *self._eos_token_ids) if t is not None]
         return {"max_tokens": max_tokens or 16, "temperature": body.temperature,
                 "seed": body.seed if body.seed is not None else random.getrandbits(63),
-                "stop_token_ids": tuple(stop)}
+                "stop_token_ids": tuple(dict.fromkeys(stop))}
 
     def _check_ids(self, ids: list[int], field: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self._vocab_size]
-        if bad:
-            raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}")
+        if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):   # C speed: a prompt may be long
+            bad = [t for t in ids if not 0 <= t < self._vocab_size]
+            raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}", param=field)
+
+    def _check_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.max_model_len:
+            raise APIError(400, f"the prompt has {num_tokens} tokens, which leaves no room to generate within "
+                           f"max_model_len={self.max_model_len}", param="prompt", code="context_length_exceeded")
+
+    async def _tokenize(self, fn, arg, size: int) -> list[int]:
+        """Tokenise off the event loop when the input is large, so other requests and /health go on."""
+        return await asyncio.to_thread(fn, arg) if size > PARSE_IN_THREAD_BYTES else fn(arg)
 
     async def _respond(self, kind: str, body: _Body, prompt_ids: list[int], params: dict, request: Request):
-        request_id = _request_id(request, kind)
-        await self._connect()  # learn the engine's vocabulary before checking ids against it
+        label = _request_id(request, kind)
+        self._check_length(len(prompt_ids))
         self._check_ids(prompt_ids, "prompt")
         self._check_ids(list(params["stop_token_ids"]), "stop_token_ids")
-        items = self._items(request_id, prompt_ids, params)
-        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        items = self._items(label, prompt_ids, params)
+        head = {"id": label, "created": int(time.time()), "model": self.model_name}
         if body.stream:
             first = await anext(items)  # errors before the first token are still plain HTTP errors
             usage = bool((body.stream_options or {}).get("include_usage"))
@@ -333,6 +407,8 @@ class OpenAIServer:
             if usage:
                 yield _sse({**head, "choices": [], "usage": _usage(num_prompt, len(decoder.token_ids))})
         except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel in the stream
+            end = {"index": 0, "delta": {}} if kind == "chat" else {"index": 0, "text": "", "logprobs": None}
+            yield _sse({**head, "choices": [{**end, "token_ids": [], "finish_reason": "error"}]})
             yield _sse(_from_engine(exc).body())
         finally:
             await items.aclose()  # a client that went away stops the engine stream now, not at GC
@@ -341,17 +417,28 @@ class OpenAIServer:
     # -- routes ---------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        body = await _parse(request, CompletionBody)
+        body = await _parse(request, CompletionBody, self.max_body_bytes)
+        await self._connect()   # the engine's vocabulary and EOS ids, before checking against them
         params = self._params(body, body.max_tokens)
         prompt = body.prompt
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            if isinstance(self.tokenizer, ByteTokenizer):
+                self._check_length(len(prompt))   # a byte per token at least: refuse before encoding
+            prompt_ids = await self._tokenize(self.tokenizer.encode, prompt, len(prompt))
+        else:
+            prompt_ids = prompt
         return await self._respond("completion", body, prompt_ids, params, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        body = await _parse(request, ChatBody)
+        body = await _parse(request, ChatBody, self.max_body_bytes)
+        await self._connect()
         params = self._params(body, body.max_completion_tokens or body.max_tokens)
-        prompt_ids = self.tokenizer.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        size = sum(len(m["content"]) for m in messages)
+        if isinstance(self.tokenizer, ByteTokenizer):
+            self._check_length(size)
+        prompt_ids = await self._tokenize(self.tokenizer.chat_prompt, messages, size)
         return await self._respond("chat", body, prompt_ids, params, request)
 
     @app.get("/v1/models")
@@ -361,7 +448,22 @@ class OpenAIServer:
 
     @app.get("/health")
     async def health(self):
-        await self._call("ready")
+        """Readiness: 200 only when a completion would be served now; 503 (with why) otherwise."""
+        try:
+            engine = self._engine or ray.get_actor(self.engine_name, namespace=self.namespace)
+            state = await asyncio.wait_for(engine.health.remote(), HEALTH_TIMEOUT_S)
+        except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
+            self._engine = None
+            return APIError(503, f"the engine does not answer ({type(exc).__name__})", "engine_restarted",
+                            code="engine_restarted").response()
+        if state["status"] != "ready":
+            return APIError(503, f"the engine is {state['status']}: {state['detail']}", "engine_unavailable",
+                            code=state["status"]).response()
+        return {"status": "ok"}
+
+    @app.get("/health/live")
+    async def live(self):
+        """Liveness: this replica answers, whatever the engine's state (restart the replica if not)."""
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -371,9 +473,9 @@ class OpenAIServer:
 
 
 def build_app(engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None = None,
-              max_model_len: int = 4096):
+              max_model_len: int = 4096, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
     """A bound Serve application for ``serve.run``; the engine actor is found by name when needed."""
-    return OpenAIServer.bind(engine_name, namespace, model_name, tokenizer_dir, max_model_len)
+    return OpenAIServer.bind(engine_name, namespace, model_name, tokenizer_dir, max_model_len, max_body_bytes)
 
 
 def run(app, host: str = "127.0.0.1", port: int = 8000, name: str = "swakv"):

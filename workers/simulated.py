@@ -21,7 +21,7 @@ from kvmanager.specs import AttentionSpec
 
 from .cost_model import StepCostModel
 from .presets import load_model
-from .protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields, is_int
+from .protocol import RequestError, ScheduledChunk, StepInput, StepOutput, check_chunk_fields, is_int
 
 NULL_BLOCK_ID = 0
 
@@ -136,8 +136,8 @@ class SimulatedWorker:
             check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = rid in self._tables and rid not in forget
             if known and chunk.start_pos != self._computed[rid]:
-                raise ValueError(f"request {rid!r}: start_pos={chunk.start_pos} does not continue its previous "
-                                 f"steps, which computed positions 0..{self._computed[rid] - 1}")
+                raise RequestError(rid, f"request {rid!r}: start_pos={chunk.start_pos} does not continue its "
+                                        f"previous steps, which computed positions 0..{self._computed[rid] - 1}")
             base = self._tables[rid] if known else [[] for _ in self.groups]
             tables[rid] = [old + new for old, new in zip(base, chunk.new_block_ids)]
             in_use[rid] = self._check_table(chunk, tables[rid], known, writers)
@@ -154,18 +154,18 @@ class SimulatedWorker:
             need = -(-end // bs)
             if len(table[g]) < need:
                 hint = "" if known else " (its first chunk on this worker must carry a table covering its tokens)"
-                raise ValueError(f"request {rid!r}: group {g} table has {len(table[g])} blocks ({len(table[g]) * bs} "
-                                 f"tokens) but the step reaches position {end - 1}{hint}")
+                raise RequestError(rid, f"request {rid!r}: group {g} table has {len(table[g])} blocks "
+                                        f"({len(table[g]) * bs} tokens) but the step reaches position {end - 1}{hint}")
             first = spec.first_needed_token(start) // bs
             live = table[g][first:need]
             nulls = [first + j for j, b in enumerate(live) if b == NULL_BLOCK_ID]
             if nulls:
-                raise ValueError(f"request {rid!r}: group {g} ({spec.kind}) has the null block at logical blocks "
-                                 f"{nulls}, which positions {start}..{end - 1} read or write")
+                raise RequestError(rid, f"request {rid!r}: group {g} ({spec.kind}) has the null block at "
+                                        f"logical blocks {nulls}, which positions {start}..{end - 1} read or write")
             if len(set(live)) != len(live):
                 twice = sorted({b for b in live if live.count(b) > 1})
-                raise ValueError(f"request {rid!r}: group {g} holds blocks {twice} at two places of the window "
-                                 f"positions {start}..{end - 1} read")
+                raise RequestError(rid, f"request {rid!r}: group {g} holds blocks {twice} at two places of "
+                                        f"the window positions {start}..{end - 1} read")
             for b in table[g][start // bs:need]:
                 other = writers.setdefault(b, (rid, g))
                 if other != (rid, g):

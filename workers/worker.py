@@ -19,7 +19,8 @@ from kvmanager.specs import AttentionSpec
 from workers.layer_kinds import LAYER_NAME, layer_specs
 from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
                                   stage_range)
-from workers.protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields
+from workers.protocol import (GREEDY_BELOW, RequestError, ScheduledChunk, StepInput, StepOutput,
+                              check_chunk_fields)
 from workers.tiny_models import TINY_MODELS, build_tiny_model
 
 NULL_BLOCK_ID = 0
@@ -126,9 +127,8 @@ class Worker:
         out = self.forward(step, hidden_states)
         if not self.stage.is_last:
             return out
-        chunks = [c for c in step.chunks if c.sample]
-        return StepOutput(step_id=step.step_id, sampled=dict(zip((c.request_id for c in chunks),
-                                                                 _sample(out, chunks))))
+        sampled, failed = _sample(out, [c for c in step.chunks if c.sample])
+        return StepOutput(step_id=step.step_id, sampled=sampled, failed=failed)
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
@@ -179,20 +179,20 @@ class Worker:
 
     def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool) -> None:
         """The table must reach the step's last token and hold real blocks wherever the step reads or writes."""
-        bs = self.block_size
+        bs, rid = self.block_size, chunk.request_id
         end = chunk.start_pos + len(chunk.token_ids)
         need = -(-end // bs)
         for g, spec in enumerate(self.groups):
             if len(table[g]) < need:
                 hint = "" if known else " (the request is new to this worker, so its chunk must carry its whole table)"
-                raise ValueError(f"request {chunk.request_id!r}: group {g} table has {len(table[g])} blocks "
-                                 f"({len(table[g]) * bs} tokens) but the step reaches {end} tokens{hint}")
+                raise RequestError(rid, f"request {rid!r}: group {g} table has {len(table[g])} blocks "
+                                        f"({len(table[g]) * bs} tokens) but the step reaches {end} tokens{hint}")
             first = spec.first_needed_token(chunk.start_pos) // bs
             read = table[g][first:need]
             if NULL_BLOCK_ID in read:
                 nulls = [first + j for j, b in enumerate(read) if b == NULL_BLOCK_ID]
-                raise ValueError(f"request {chunk.request_id!r}: group {g} has the null block at logical blocks "
-                                 f"{nulls}, which positions {chunk.start_pos}..{end - 1} read or write")
+                raise RequestError(rid, f"request {rid!r}: group {g} has the null block at logical blocks "
+                                        f"{nulls}, which positions {chunk.start_pos}..{end - 1} read or write")
 
     def _batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
         bs, dev = self.block_size, self.device
@@ -244,14 +244,24 @@ def _layer_specs(model: transformers.PreTrainedModel, block_size: int) -> list[A
     return list(layer_specs(model.config.get_text_config(), block_size, dtype).values())
 
 
-def _sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int]:
-    """Greedy at temperature 0; otherwise a draw seeded by (seed, position of the new token)."""
-    tokens = logits.argmax(dim=-1).tolist()
+def _sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[dict[str, int], dict[str, str]]:
+    """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise a draw seeded by (seed, position of the
+    new token). A row with NaN logits is not sampled but reported: (sampled, failed) by request id."""
+    nan_rows = logits.isnan().any(dim=-1)
+    tokens = torch.where(nan_rows, -1, logits.argmax(dim=-1)).tolist()   # one device sync for both
+    sampled, failed = {}, {}
     for i, chunk in enumerate(chunks):
-        if chunk.temperature > 0:
+        if tokens[i] < 0:
+            failed[chunk.request_id] = "the model produced NaN logits for this request"
+            continue
+        if chunk.temperature >= GREEDY_BELOW:
             position = chunk.start_pos + len(chunk.token_ids)
             generator = torch.Generator(device=logits.device)
             generator.manual_seed((chunk.seed * 0x9E3779B97F4A7C15 + position) % 2**64)
             probs = torch.softmax(logits[i].float() / chunk.temperature, dim=-1)
+            if probs.isnan().any():   # +inf logits, or none finite
+                failed[chunk.request_id] = "the model's logits for this request give no probability distribution"
+                continue
             tokens[i] = int(torch.multinomial(probs, 1, generator=generator))
-    return tokens
+        sampled[chunk.request_id] = tokens[i]
+    return sampled, failed
