@@ -5,9 +5,10 @@ engine. A step that fails because of one request's chunk (the workers raise ``Re
 before changing anything) fails that request alone and runs again without it; a row the workers cannot
 sample fails its request in ``apply``. Any other step failure (``WorkerFailure``: a worker lost or timed
 out; or an error nobody can attribute) restarts the workers, and every running request recomputes from
-its tokens (prompt and what it generated so far): nothing is lost or answered twice. A request that was
-in ``max_request_faults`` failed steps in a row is failed, so a request that breaks the workers in a way
-they cannot name cannot make them restart forever.
+its tokens (prompt and what it generated so far): nothing is lost or answered twice. Each request of
+the failed step then runs alone until a step of its own succeeds; one that fails ``max_request_faults``
+steps in a row is failed, so a request that breaks the workers without naming itself fails alone and
+cannot make them restart forever.
 """
 from __future__ import annotations
 
@@ -134,17 +135,8 @@ class Engine:
         return update
 
     def blame(self, plan: StepPlan) -> list[SequenceUpdate]:
-        """A step failed with nobody to blame: count it against each request in it; fail those that were
-        in ``max_request_faults`` failed steps in a row."""
-        updates = []
-        for seq in plan.scheduled:
-            if seq.status != "running":
-                continue
-            seq.num_faults += 1
-            if seq.num_faults >= self.config.max_request_faults:
-                message = f"the workers failed {seq.num_faults} times in a row on steps computing this request"
-                self.scheduler.fail(seq.request_id, "error", message)
-                updates.append(SequenceUpdate(seq.request_id, [], True, "error", message))
+        """A step failed with nobody to blame: its requests become suspects (``Scheduler.blame``)."""
+        updates = self.scheduler.blame(plan, self.config.max_request_faults)
         self._count(updates)
         return updates
 

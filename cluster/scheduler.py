@@ -10,7 +10,9 @@ Progress: every accepted request finishes. Admission refuses a request that coul
 position even with the pool to itself (``blocks_to_finish``). The oldest running request is never
 preempted (only later ones are) and, alone, always fits one token, so it gains at least one token every
 step; preempted requests wait at the head of the queue in their admission order, so each in turn becomes
-the oldest. Hence all requests accepted by step ``t`` finish by step ``t + sum(prompt + max_tokens)``.
+the oldest. Hence all requests accepted by step ``t`` finish by step ``t + sum(prompt + max_tokens)``
+(when no step fails; after a failure nobody can be blamed for, its requests run one per step until each
+has a step of its own succeed or has failed three in a row).
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}
         self._forget: list[str] = []          # finished or preempted requests whose mirrors may be stale
         self._on_workers: set[str] = set()    # requests whose block-table mirrors the workers hold
+        self._suspects: set[str] = set()      # requests of a step that failed with nobody to blame
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -143,10 +146,14 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        mgr = self.manager
         budget = self.max_num_batched_tokens
         plan = StepPlan(StepInput(self._step_id, [], []))
         self._step_id += 1
+
+        if self._suspects:   # after a step failed with nobody to blame: its requests run one at a time
+            seq = next(s for s in self.waiting if s.request_id in self._suspects)
+            budget -= self._admit(seq, budget, plan, preempt=True)
+            return self._close(plan, budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -160,23 +167,37 @@ class Scheduler:
             i += 1
 
         while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            req = seq.req
+            n = self._admit(self.waiting[0], budget, plan, preempt=False)
+            if not n:
+                break
+            budget -= n
+        return self._close(plan, budget)
+
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan, preempt: bool) -> int:
+        """Start a waiting request with its prefix hit and a first chunk; how many tokens it computes (0:
+        it does not fit). Alone, the chunk halves until it fits; ``preempt`` makes it alone if need be."""
+        mgr, req = self.manager, seq.req
+        while True:
             hit, num_hit = mgr.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             new = mgr.allocate_slots(req, n, num_hit, hit)
-            while new is None and not self.running and n > 1:  # alone and still short: smaller chunks
+            while new is None and not self.running and n > 1:
                 n //= 2
                 new = mgr.allocate_slots(req, n, num_hit, hit)
-            if new is None:
+            if new is not None:
                 break
-            self.waiting.popleft()
-            req.num_computed_tokens += num_hit
-            seq.status = "running"
-            self.running.append(seq)
-            self._add_chunk(plan, seq, req.num_computed_tokens, n, new)
-            budget -= n
+            if not (preempt and self.running):
+                return 0
+            self._preempt(self.running[-1])
+            plan.preempted += 1
+        self.waiting.remove(seq)
+        req.num_computed_tokens += num_hit
+        seq.status = "running"
+        self.running.append(seq)
+        self._add_chunk(plan, seq, req.num_computed_tokens, n, new)
+        return n
 
+    def _close(self, plan: StepPlan, budget: int) -> StepPlan:
         if plan.step.chunks:  # otherwise nothing is sent: keep the mirrors to drop for the next step
             # Only mirrors the workers hold: a request that failed before its first chunk ran has none.
             forget = list(dict.fromkeys(r for r in self._forget if r in self._on_workers))
@@ -223,6 +244,7 @@ class Scheduler:
             if seq.status != "running":
                 continue  # aborted while the step ran (its mirror is in _forget)
             seq.num_faults = 0
+            self._suspects.discard(seq.request_id)
             req = seq.req
             req.num_computed_tokens += len(chunk.token_ids)
             if failed and seq.request_id in failed:
@@ -256,6 +278,22 @@ class Scheduler:
                 return SequenceUpdate(request_id, [], True, "error", error)
         return None
 
+    def blame(self, plan: StepPlan, max_faults: int) -> list[SequenceUpdate]:
+        """A step failed with nobody to blame: each of its requests becomes a suspect and runs alone until a
+        step of its own succeeds; one that fails ``max_faults`` steps in a row is failed. So a request that
+        breaks the workers without naming itself fails alone, and the others go on."""
+        updates = []
+        for seq in plan.scheduled:
+            if seq.status != "running":
+                continue
+            seq.num_faults += 1
+            self._suspects.add(seq.request_id)
+            if seq.num_faults >= max_faults:
+                message = f"the workers failed {seq.num_faults} times in a row on steps computing this request"
+                self.fail(seq.request_id, "error", message)
+                updates.append(SequenceUpdate(seq.request_id, [], True, "error", message))
+        return updates
+
     def recompute_all(self) -> int:
         """Workers lost their KV (a fault): every running request starts over; nothing is lost."""
         victims = list(self.running)
@@ -277,6 +315,7 @@ class Scheduler:
         self._forget.append(seq.request_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._suspects.discard(seq.request_id)
         if seq.status == "running":
             self.manager.free(seq.req)
             self.running.remove(seq)

@@ -117,6 +117,29 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
         engine.executor.shutdown()
 
 
+def test_a_chunk_a_worker_actor_refuses_fails_its_request_alone_through_ray(ray_runtime):
+    """The worker's RequestError crosses Ray (a Compiled Graph, two stages) and still names its request."""
+    engine, _ = build_engine("tiny-llama", pipeline_parallel_size=2, block_size=4, num_blocks=64, use_ray=True,
+                             num_cpus_per_worker=0.5)
+    try:
+        assert engine.executor.uses_compiled_graph
+        engine.config.vocab_size = None      # the engine no longer checks ids: the workers (vocab 256) must
+        engine.add_request("good", PROMPTS[0], SamplingParams(max_tokens=6))
+        engine.add_request("bad", [1, 2, 300], SamplingParams(max_tokens=6))
+        tokens, finished, errors = {"good": [], "bad": []}, {}, {}
+        while engine.has_work():
+            for u in engine.step():
+                tokens[u.request_id] += u.new_token_ids
+                if u.finished:
+                    finished[u.request_id], errors[u.request_id] = u.finish_reason, u.error
+        assert finished == {"good": "length", "bad": "error"}
+        assert errors["bad"] == "request 'bad': token_ids must be integers in [0, 256)"
+        assert tokens["good"] == reference("tiny-llama", tuple(PROMPTS[0]), 6)
+        assert engine.stats()["worker_restarts"] == 0   # the graph survives a worker's refusal
+    finally:
+        engine.executor.shutdown()
+
+
 def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runtime):
     # tiny-gemma2: 4 heads, 2 KV heads, MLP 128 -> 2 ranks each keep 2 heads, 1 KV head, 64 columns;
     # two stages of two ranks: four worker actors, one gloo world, one sub-group per stage.

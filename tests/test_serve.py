@@ -233,6 +233,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": ["\n"]}, 400, "stop strings are not supported"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**63}, 400, "seed: Input should be less than 9223372036854775808"),
+    ("/v1/completions", {"prompt": "hi", "seed": -2**63 - 1}, 400, "seed: Input should be greater than or equal"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature: Input should be less than or equal"),
     ("/v1/completions", {"prompt": [1, 256, 3]}, 400, "token ids must lie in [0, 256), got [256]"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt_token_ids is empty"),
@@ -250,16 +253,20 @@ def test_bad_requests_get_4xx_json(url, path, body, status, needle):
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}   # OpenAI's shape
     assert needle in error["message"]
-    assert error["code"] == status
-    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] is None or isinstance(error["code"], str)
+    if status == 404:
+        assert (error["param"], error["code"]) == ("model", "model_not_found")
 
 
 def test_unknown_route_and_nothing_left_behind(url):
     r = httpx.get(url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(url + "/v1/completions", timeout=30)
-    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    assert r.status_code == 405 and r.json()["error"] == {"message": "Method Not Allowed", "type": "invalid_request_error",
+                                                          "param": None, "code": None}
     stats = wait_idle()
     assert (stats["running"], stats["waiting"]) == (0, 0)
 
@@ -356,7 +363,8 @@ def test_engine_restart_fails_in_flight_requests_with_retryable_503(url):
     assert plain.json()["error"]["type"] == "engine_restarted" and "retried" in plain.json()["error"]["message"]
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
-    assert (error["type"], error["code"]) == ("engine_restarted", 503) and "retried" in error["message"]
+    assert (error["type"], error["code"]) == ("engine_restarted", "engine_restarted") and "retried" in error["message"]
+    assert events[-3]["choices"][0]["finish_reason"] == "error"
 
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_restarted"
