@@ -449,13 +449,16 @@ class OpenAIServer:
     @app.get("/health")
     async def health(self):
         """Readiness: 200 only when a completion would be served now; 503 (with why) otherwise."""
-        try:
-            engine = self._engine or ray.get_actor(self.engine_name, namespace=self.namespace)
-            state = await asyncio.wait_for(engine.health.remote(), HEALTH_TIMEOUT_S)
-        except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
-            self._engine = None
-            return APIError(503, f"the engine does not answer ({type(exc).__name__})", "engine_restarted",
-                            code="engine_restarted").response()
+        for attempt in (0, 1):  # a handle cached from a dead engine gets one fresh look-up
+            try:
+                engine = self._engine or ray.get_actor(self.engine_name, namespace=self.namespace)
+                state = await asyncio.wait_for(engine.health.remote(), HEALTH_TIMEOUT_S)
+                break
+            except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
+                stale, self._engine = self._engine, None
+                if attempt or stale is None or isinstance(exc, asyncio.TimeoutError):
+                    return APIError(503, f"the engine does not answer ({type(exc).__name__})", "engine_restarted",
+                                    code="engine_restarted").response()
         if state["status"] != "ready":
             return APIError(503, f"the engine is {state['status']}: {state['detail']}", "engine_unavailable",
                             code=state["status"]).response()

@@ -28,6 +28,7 @@ from conftest import ROOT
 MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: four KV-cache groups, one layer each
 ENGINE = "test-serve-engine"
 BLOCK, NUM_BLOCKS, MAX_LEN = 4, 512, 1024
+BODY_LIMIT = 256 << 10         # the app's max_body_bytes here (the default is 8 MiB)
 
 
 _handles = []   # a named actor lives only as long as a handle from its creator does
@@ -76,7 +77,7 @@ def url(ray_runtime):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        run(build_app(ENGINE, NAMESPACE, MODEL, None, MAX_LEN), port=port, name="test-serve")
+        run(build_app(ENGINE, NAMESPACE, MODEL, None, MAX_LEN, BODY_LIMIT), port=port, name="test-serve")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -114,6 +115,23 @@ def wait_for(running: int, timeout_s: float = 30.0) -> dict:
 
 def wait_idle() -> dict:
     return wait_for(0)
+
+
+def assert_still_serving(url: str) -> None:
+    """After a hostile request: ready, and a normal request gets its exact tokens."""
+    health = httpx.get(url + "/health", timeout=30)
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 4)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
 
 
 PROMPT = "The sliding window"
@@ -309,6 +327,127 @@ def test_models_health_metrics(url):
     assert samples['swakv_requests_finished_total{reason="length"}'] == stats["finished"]["length"]
 
 
+# -- hostile requests: each gets its error, and the server goes on ------------------------------------
+def test_a_seed_beyond_int64_is_refused_at_the_edge(url):
+    # it used to reach the step encoder (msgpack: OverflowError) and stop the engine for everyone
+    error = error_of(httpx.post(url + "/v1/completions", json={"prompt": "hi", "temperature": 0.7, "seed": 10**29},
+                                timeout=60), 400)
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "seed", None)
+    assert "seed: Input should be less than 9223372036854775808" in error["message"]
+    assert_still_serving(url)
+
+
+def test_a_tiny_temperature_samples_greedily(url):
+    # 1e-39 used to turn logits / temperature into inf, probabilities into NaN, and stop the engine
+    for temperature in (1e-39, 1e-6):
+        r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": temperature,
+                                                      "seed": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 6)
+    assert_still_serving(url)
+
+
+def test_a_body_over_the_limit_gets_413_declared_or_streamed(url):
+    big = b'{"prompt": "' + b"a" * BODY_LIMIT + b'", "max_tokens": 4}'
+    headers = {"content-type": "application/json"}
+    error = error_of(httpx.post(url + "/v1/completions", content=big, headers=headers, timeout=60), 413)
+    assert (error["type"], error["code"]) == ("invalid_request_error", "request_too_large")
+    assert f"request body exceeds {BODY_LIMIT} bytes" in error["message"]
+    chunks = (big[i:i + 16384] for i in range(0, len(big), 16384))   # no Content-Length: chunked transfer
+    error = error_of(httpx.post(url + "/v1/chat/completions", content=chunks, headers=headers, timeout=60), 413)
+    assert error["code"] == "request_too_large"
+    assert_still_serving(url)
+
+
+def test_over_long_prompts_are_refused_before_the_engine(url):
+    cases = [("/v1/completions", {"prompt": "x" * (BODY_LIMIT // 2)}, BODY_LIMIT // 2),
+             ("/v1/completions", {"prompt": [65] * MAX_LEN}, MAX_LEN),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 5000}]}, 5000)]
+    for path, body, tokens in cases:
+        error = error_of(httpx.post(url + path, json=body, timeout=60), 400)
+        assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+        assert error["message"] == (f"the prompt has {tokens} tokens, which leaves no room to generate within "
+                                    f"max_model_len={MAX_LEN}")
+    assert engine_stats()["finished"].get("error", 0) == 0   # none reached the engine
+    assert_still_serving(url)
+
+
+def test_requests_sharing_an_x_request_id_are_distinct_requests(url):
+    """The client's id is a label, echoed back; the engine names each request itself, so two requests with
+    one label run side by side, and a retry is not touched by the attempt it replaces."""
+    prompts = [PROMPT, "another prompt"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            same = {"X-Request-Id": "shared-7"}
+            both = await asyncio.gather(*(client.post("/v1/completions", headers=same,
+                                                      json={"prompt": p, "max_tokens": 6}) for p in prompts))
+            async with client.stream("POST", "/v1/completions", headers={"X-Request-Id": "retry-1"},
+                                     json={"prompt": PROMPT, "max_tokens": 1000, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break      # attempt 1 goes away after its first event: its stream is cancelled, aborted
+            retry = await client.post("/v1/completions", headers={"X-Request-Id": "retry-1"},
+                                      json={"prompt": PROMPT, "max_tokens": 8})
+            return both, retry
+
+    both, retry = asyncio.run(main())
+    for r, p in zip(both, prompts):
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "shared-7" and r.json()["id"] == "cmpl-shared-7"
+        assert r.json()["choices"][0]["token_ids"] == greedy(tuple(p.encode()), 6)
+    assert retry.status_code == 200 and retry.headers["x-request-id"] == "retry-1"
+    assert retry.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 8)
+    assert retry.json()["choices"][0]["finish_reason"] == "length"
+    stats = wait_idle()
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+
+
+POISON = 0x7f   # DEL: its embedding is NaN in the poisoned copy of the model
+
+
+def test_a_request_the_engine_fails_alone_gets_a_500_and_the_others_are_served(url, tmp_path):
+    """A second engine over a copy of the model whose embedding of one byte is NaN, behind its own route."""
+    clean = greedy(tuple(PROMPT.encode()), 8)
+    assert POISON not in clean and POISON not in PROMPT.encode()
+    model = build_tiny_model(MODEL, seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[POISON] = float("nan")
+    model.save_pretrained(tmp_path)
+    handle, _ = start_engine_actor(dict(model=str(tmp_path), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                                        max_model_len=MAX_LEN), name="test-serve-poisoned", max_restarts=0,
+                                   timeout_s=120)
+    try:
+        serve.run(build_app("test-serve-poisoned", NAMESPACE, MODEL, None, MAX_LEN), name="poisoned",
+                  route_prefix="/poisoned")
+        base = url + "/poisoned"
+
+        async def main():
+            async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+                return await asyncio.gather(
+                    client.post("/v1/completions", json={"prompt": "bad \x7f byte", "max_tokens": 8}),
+                    client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}),
+                    client.post("/v1/completions", json={"prompt": [1, POISON], "max_tokens": 8, "stream": True}))
+
+        bad, good, bad_stream = asyncio.run(main())
+        for r in (bad, bad_stream):   # failed before its first token: a plain HTTP error, stream or not
+            error = error_of(r, 500)
+            assert error == {"message": "the model produced NaN logits for this request", "type": "server_error",
+                             "param": None, "code": "request_failed"}
+        assert good.status_code == 200 and good.json()["choices"][0]["token_ids"] == clean
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
+        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, timeout=60)
+        assert r.json()["choices"][0]["token_ids"] == clean
+    finally:
+        serve.delete("poisoned")
+        ray.kill(handle, no_restart=True)
+
+
+def test_liveness_and_readiness(url):
+    assert httpx.get(url + "/health/live", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+
+
 def test_client_disconnect_aborts_the_request(url):
     before = wait_idle()["finished"].get("length", 0)
     body = {"prompt": "go on and on", "max_tokens": 1000}
@@ -338,6 +477,42 @@ def test_client_disconnect_aborts_the_request(url):
     assert stats["finished"].get("length", 0) == before   # both were aborted, not run to their end
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12}, timeout=60)
     assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 12)
+
+
+def test_shutdown_tells_in_flight_requests_and_readiness_turns_503(url):
+    """What Ctrl-C does first (``launch.stop_serving``): the engine ends every stream with "the server is
+    shutting down", not "the engine restarted", and refuses new requests until it is replaced."""
+    body = {"prompt": "until the server stops", "max_tokens": 1000}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            plain = asyncio.create_task(client.post("/v1/completions", json=body))
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break
+                assert (await asyncio.to_thread(wait_for, 2))["running"] == 2
+                engine = ray.get_actor(ENGINE, namespace=NAMESPACE)
+                assert await engine.shutdown.remote() == 2
+                events = sse_events([line async for line in lines])
+            return await plain, events
+
+    plain, events = asyncio.run(main())
+    assert events[-1] == "[DONE]" and events[-3]["choices"][0]["finish_reason"] == "error"
+    expected = {"message": "the server is shutting down; the request can be retried once it is back",
+                "type": "server_shutting_down", "param": None, "code": "server_shutting_down"}
+    assert events[-2]["error"] == expected
+    assert error_of(plain, 503) == expected
+    assert error_of(httpx.post(url + "/v1/completions", json={"prompt": PROMPT}, timeout=60), 503) == expected
+    health = error_of(httpx.get(url + "/health", timeout=30), 503)
+    assert (health["type"], health["code"]) == ("engine_unavailable", "stopping")
+    assert httpx.get(url + "/health/live", timeout=30).status_code == 200   # the replica itself is fine
+
+    ray.kill(ray.get_actor(ENGINE, namespace=NAMESPACE), no_restart=True)   # what comes back is a new engine
+    start_engine()
+    assert_still_serving(url)
 
 
 def test_engine_restart_fails_in_flight_requests_with_retryable_503(url):
