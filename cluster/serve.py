@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from workers.protocol import SEED_RANGE
 
 from .engine_actor import EngineUnavailable
-from .tokenizer import ByteTokenizer, StreamDecoder, load_tokenizer
+from .tokenizer import StreamDecoder, load_tokenizer
 
 ENGINE_CALL_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
@@ -352,10 +352,17 @@ class OpenAIServer:
             bad = [t for t in ids if not 0 <= t < self._vocab_size]
             raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}", param=field)
 
-    def _check_length(self, num_tokens: int) -> None:
+    def _check_length(self, num_tokens: int, at_least: bool = False) -> None:
         if num_tokens >= self.max_model_len:
-            raise APIError(400, f"the prompt has {num_tokens} tokens, which leaves no room to generate within "
-                           f"max_model_len={self.max_model_len}", param="prompt", code="context_length_exceeded")
+            raise APIError(400, f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens, which leaves "
+                           f"no room to generate within max_model_len={self.max_model_len}", param="prompt",
+                           code="context_length_exceeded")
+
+    def _check_text_length(self, num_chars: int) -> None:
+        """Refuse text that cannot fit before spending any time encoding it."""
+        per_token = self.tokenizer.max_chars_per_token
+        if per_token:
+            self._check_length(-(-num_chars // per_token), at_least=True)
 
     async def _tokenize(self, fn, arg, size: int) -> list[int]:
         """Tokenise off the event loop when the input is large, so other requests and /health go on."""
@@ -422,8 +429,7 @@ class OpenAIServer:
         params = self._params(body, body.max_tokens)
         prompt = body.prompt
         if isinstance(prompt, str):
-            if isinstance(self.tokenizer, ByteTokenizer):
-                self._check_length(len(prompt))   # a byte per token at least: refuse before encoding
+            self._check_text_length(len(prompt))
             prompt_ids = await self._tokenize(self.tokenizer.encode, prompt, len(prompt))
         else:
             prompt_ids = prompt
@@ -436,8 +442,7 @@ class OpenAIServer:
         params = self._params(body, body.max_completion_tokens or body.max_tokens)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
-        if isinstance(self.tokenizer, ByteTokenizer):
-            self._check_length(size)
+        self._check_text_length(size)
         prompt_ids = await self._tokenize(self.tokenizer.chat_prompt, messages, size)
         return await self._respond("chat", body, prompt_ids, params, request)
 

@@ -1,8 +1,9 @@
 """Text <-> token ids for the Serve app: the model's own tokenizer when it ships one, bytes otherwise.
 
 The byte-level fallback needs no files and no downloads, so text prompts work with the tiny random
-models (vocabulary 256: one token per byte). Both kinds offer the same four things the app uses:
-``encode``, ``decode``, ``chat_prompt`` and ``eos_token_id``; ``StreamDecoder`` turns a stream of ids
+models (vocabulary 256: one token per byte). Both kinds offer what the app uses: ``encode``, ``decode``,
+``chat_prompt``, ``eos_token_id`` and ``max_chars_per_token`` (when known, a prompt of ``n`` characters
+has at least ``n / max_chars_per_token`` tokens: an over-long prompt is refused before it is encoded); ``StreamDecoder`` turns a stream of ids
 into text deltas that never split a multi-byte character.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ class ByteTokenizer:
 
     vocab_size = 256
     eos_token_id = None
+    max_chars_per_token = 1
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
@@ -43,6 +45,7 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
+        self.max_chars_per_token = _max_chars_per_token(self.tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
@@ -55,6 +58,19 @@ class HFTokenizer:
             text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return self.encode(text, add_special_tokens=False)  # the template already holds BOS
         return self.encode(_plain_chat(messages))
+
+
+def _max_chars_per_token(tok) -> int | None:
+    """Most characters of text one token can stand for, or None when that is not bounded by its vocabulary.
+
+    Bounded for a BPE model without a normalizer (which could delete characters) and without fused unknown
+    tokens (one of which covers any run of unknown characters): every token's string is then the text it
+    covers, in characters or (byte-level) in bytes, which are at least as many. Added tokens count too."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or backend.normalizer is not None or (model.unk_token and model.fuse_unk):
+        return None
+    return max(len(t) for t in tok.convert_ids_to_tokens(list(range(len(tok)))) if t) or None
 
 
 def load_tokenizer(model_dir: str | os.PathLike | None) -> ByteTokenizer | HFTokenizer:

@@ -161,9 +161,17 @@ def test_model_tokenizer_is_used_when_the_directory_has_one(tmp_path):
     fast.save_pretrained(tmp_path)
     tok = load_tokenizer(tmp_path)
     assert (tok.encode("hello world moon"), tok.eos_token_id, tok.vocab_size) == ([1, 2, 3], 0, 6)
+    assert tok.max_chars_per_token is None   # a word-level [UNK] stands for any word: no bound
     assert tok.decode([1, 2, 0]) == "hello world"
     assert tok.chat_prompt([{"role": "user", "content": "hello"}]) == [4, 5, 1]
     assert isinstance(load_tokenizer(ROOT / "tests"), type(load_tokenizer(None)))   # no tokenizer files there
+
+
+def test_the_bundled_tokenizer_bounds_characters_per_token():
+    tok = load_tokenizer(ROOT / "models" / "swakv-tiny-hybrid")   # byte-level BPE, no normalizer
+    assert tok.max_chars_per_token == len("<|bos|>")             # its longest token is an added one
+    for text in ("plain ascii text", "<|eos|><|bos|><|pad|>", "h\u00e9 \u2603 \U0001f600", "a" * 300):
+        assert len(tok.encode(text)) >= -(-len(text) // tok.max_chars_per_token)
 
 
 # -- the application -------------------------------------------------------------------------------
@@ -360,9 +368,10 @@ def test_a_body_over_the_limit_gets_413_declared_or_streamed(url):
 
 
 def test_over_long_prompts_are_refused_before_the_engine(url):
-    cases = [("/v1/completions", {"prompt": "x" * (BODY_LIMIT // 2)}, BODY_LIMIT // 2),
-             ("/v1/completions", {"prompt": [65] * MAX_LEN}, MAX_LEN),
-             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 5000}]}, 5000)]
+    # text: refused from its length in characters (a byte per token at least), before it is encoded
+    cases = [("/v1/completions", {"prompt": "x" * (BODY_LIMIT // 2)}, f"at least {BODY_LIMIT // 2}"),
+             ("/v1/completions", {"prompt": [65] * MAX_LEN}, f"{MAX_LEN}"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 5000}]}, "at least 5000")]
     for path, body, tokens in cases:
         error = error_of(httpx.post(url + path, json=body, timeout=60), 400)
         assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
