@@ -83,12 +83,12 @@ def blocks_to_finish(specs, num_tokens: int) -> int:
     Its last token is sampled, never computed, so the positions computed are ``0 .. num_tokens - 2``.
     Computing position ``c`` holds, after the drop, exactly the blocks covering ``first_needed_token(c)
     .. c`` in every group, whatever came before: so the cheapest way through is one position per step,
-    and it needs the peak of that over ``c`` (``kvmanager.planning.peak_blocks``, exact). Nothing else
-    needs more and cannot shrink to it: a prefill chunk that does not fit halves down to one token; a
-    request restarting after preemption takes back a prefix hit of ``h`` tokens, which holds exactly
-    what computing position ``h`` holds (cached blocks in the free queue count as free until taken back);
-    a window smaller than a block still straddles two blocks, which the peak counts. Look-ahead slots
-    would widen every step by their count; this scheduler reserves none.
+    and it needs the peak of that over ``c`` (``kvmanager.planning.peak_blocks``, exact), no less. Nor
+    does anything need more without being able to shrink to it: a prefill chunk that does not fit halves
+    down to one token; a request restarting after preemption takes back a prefix hit of ``h`` tokens,
+    which holds exactly what computing position ``h`` holds (cached blocks in the free queue count as
+    free until taken back); a window smaller than a block still straddles two blocks, which the peak
+    counts. Look-ahead slots would widen every step by their count; this scheduler reserves none.
     """
     return peak_blocks(specs, num_tokens - 1)
 

@@ -4,7 +4,7 @@ The cluster (a head and two worker nodes on this host) starts once for the modul
 its own; five short runs go through it: one seeded chat workload on simulated gemma-3-27b workers
 (window-aware, window-aware with stage 0's worker killed mid-run, sliding-as-full) and a small one on
 real workers with the bundled tiny model (both layouts). Expected tokens come from the simulated
-worker's documented sampling rule (blake2b of seed, request seed, request id and position), recomputed
+worker's documented sampling rule (blake2b of seed, request seed and position), recomputed
 here, and from transformers' dense greedy decode for the real model; expected pool sizes from
 gemma-3-27b's published shape, computed by hand below.
 """
@@ -226,10 +226,10 @@ def runs(tmp_path_factory):
 
 
 def _expected_tokens(record) -> list[int]:
-    """The simulated worker's rule: token at position p = blake2b(worker seed 0, request seed, id, p) mod vocab."""
+    """The simulated worker's rule: token at position p = blake2b(worker seed 0, request seed, p) mod vocab."""
     out = []
     for i in range(len(record.output_token_ids)):
-        key = f"0\x00{record.seed}\x00{record.response_id}\x00{record.prompt_tokens + i}".encode()
+        key = f"0\x00{record.seed}\x00{record.prompt_tokens + i}".encode()
         out.append(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % GEMMA3_VOCAB)
     return out
 

@@ -85,10 +85,11 @@ def test_deterministic_for_a_seed_and_replayable():
     w1, w2 = (SimulatedWorker(HYBRID, 200, vocab_size=1000, seed=7) for _ in range(2))
     chunk = ScheduledChunk("a", [1, 2, 3], 0, [[1], [2]], sample=True, seed=5)
     assert w1.execute(StepInput(0, [chunk])).sampled == w2.execute(StepInput(9, [chunk])).sampled
-    other_request = ScheduledChunk("z", [1, 2, 3], 0, [[1], [2]], sample=True, seed=5)
+    # Requests differ by their seeds, not their ids (the engine names requests itself, uniquely).
     assert [w1.sample(ScheduledChunk("a", [1], p, [[], []], seed=5)) for p in range(8)] != \
-           [w1.sample(ScheduledChunk("z", [1], p, [[], []], seed=5)) for p in range(8)]
-    assert 0 <= w2.sample(other_request) < 1000
+           [w1.sample(ScheduledChunk("a", [1], p, [[], []], seed=6)) for p in range(8)]
+    assert w1.sample(ScheduledChunk("a#1", [1], 3, [[], []], seed=5)) == \
+           w1.sample(ScheduledChunk("z#2", [1], 3, [[], []], seed=5))
 
 
 def test_prefix_hit_first_chunk_starts_after_the_hit():

@@ -5,7 +5,9 @@ machines without GPUs. ``SimulatedWorker`` keeps the same append-only block-tabl
 keeps and checks every step against them more strictly than a real worker can afford to: positions must
 continue where the request's last step ended, every block a step reads or writes must be real, and no
 block may be written by two requests or hold two places of one table. It samples tokens from a hash of
-(seed, request seed, request id, position), so a replay after a fault yields the same tokens, and takes
+(seed, request seed, position), so a replay after a fault yields the same tokens (requests differ by
+their seeds; the engine draws one for each request that brings none, and names requests itself, so the
+id is no part of it), and takes
 the step's time from the roofline cost model (optionally sleeping it, scaled, so load tests feel real).
 """
 from __future__ import annotations
@@ -108,9 +110,9 @@ class SimulatedWorker:
         return StepOutput(step_id=step.step_id, sampled=sampled, simulated_time_s=seconds)
 
     def sample(self, chunk: ScheduledChunk) -> int:
-        """The token after the chunk: a function of (seed, chunk seed, request id, its position) only."""
+        """The token after the chunk: a function of (seed, chunk seed, its position) only."""
         position = chunk.start_pos + len(chunk.token_ids)
-        key = f"{self.seed}\x00{chunk.seed}\x00{chunk.request_id}\x00{position}".encode()
+        key = f"{self.seed}\x00{chunk.seed}\x00{position}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % self.vocab_size
 
     # -- checks (nothing changes until all pass) -----------------------------------------------
