@@ -61,7 +61,7 @@ REQUEST = st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
                     st.integers(0, 12))                                                # arrival step
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(specs=st.lists(SPEC, min_size=1, max_size=3), num_blocks=st.integers(2, 24), caching=st.booleans(),
        budget=st.integers(1, 48), max_model_len=st.integers(2, 80),
        requests=st.lists(REQUEST, min_size=1, max_size=6))

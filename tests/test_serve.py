@@ -552,8 +552,11 @@ def test_engine_restart_fails_in_flight_requests_with_retryable_503(url):
 
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
     assert r.status_code == 503 and r.json()["error"]["type"] == "engine_restarted"
+    assert error_of(httpx.get(url + "/health", timeout=30), 503)["code"] == "engine_restarted"   # not ready
+    assert httpx.get(url + "/health/live", timeout=30).status_code == 200                        # but alive
 
     start_engine()
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 12)
