@@ -95,6 +95,18 @@ def test_deterministic_for_a_seed_and_replayable():
     assert 0 <= w2.sample(other_request) < 1000
 
 
+def test_sampling_specs_live_with_the_mirror_and_logprobs_are_uniform():
+    w = SimulatedWorker(HYBRID, 200, vocab_size=1000, seed=7)
+    spec = SamplingSpec(temperature=1.0, seed=5, logprobs=2)
+    first = w.execute(StepInput(0, [ScheduledChunk("a", [1, 2, 3], 0, [[1], [2]], start=RequestStart(spec, 3))]))
+    token = first.sampled["a"]
+    assert first.logprobs == {"a": (pytest.approx(-6.907755), [token, (token + 1) % 1000], [pytest.approx(-6.907755)] * 2)}
+    second = w.execute(StepInput(1, [ScheduledChunk("a", [token], 3, [[], []])]))   # no start: the kept spec
+    assert set(second.logprobs) == {"a"}
+    w.execute(StepInput(2, [ScheduledChunk("a", [1, 2, 3], 0, [[3], [4]])], forget=["a"]))   # recomputed, no start
+    assert w.execute(StepInput(3, [ScheduledChunk("a", [9], 3, [[], []])])).logprobs == {}   # greedy defaults
+
+
 def test_prefix_hit_first_chunk_starts_after_the_hit():
     mgr = KVCacheManager(HYBRID, num_blocks=200)
     worker = SimulatedWorker(HYBRID, 200, vocab_size=1000)
