@@ -12,9 +12,8 @@ cannot make them restart forever.
 """
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
 
@@ -59,7 +58,6 @@ class Engine:
                                       max_model_len=self.config.max_model_len)
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
-        self._seeds = random.Random()   # seeded from the OS: requests without a seed differ run to run
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
                     extra_keys: tuple = ()) -> None:
@@ -69,10 +67,7 @@ class Engine:
         if vocab is not None and max(req.prompt_token_ids) >= vocab:
             raise ValueError(f"request {request_id!r}: token id {max(req.prompt_token_ids)} is outside the "
                              f"model's vocabulary [0, {vocab})")
-        params = params or SamplingParams()
-        if params.seed is None:
-            params = replace(params, seed=self._seeds.getrandbits(63))
-        self.scheduler.add(Sequence(req, params))
+        self.scheduler.add(Sequence(req, params or SamplingParams()))
 
     def abort(self, request_id: str) -> bool:
         aborted = self.scheduler.abort(request_id)
@@ -157,7 +152,7 @@ class Engine:
         updates = []
         for rid in list(self.scheduler.sequences):
             self.scheduler.fail(rid, "error", message)
-            updates.append(SequenceUpdate(rid, [], True, "error", message))
+            updates.append(SequenceUpdate(rid, [], True, "error", error=message))
         self._count(updates)
         return updates
 

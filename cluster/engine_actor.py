@@ -91,7 +91,8 @@ class EngineService:
         return {"status": self.status, "detail": self.detail}
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: dict | None = None):
-        """Yields ``{"request_id", "token_ids", "finished", "finish_reason", "error", "error_type"}``;
+        """Yields ``{"request_id", "token_ids", "finished", "finish_reason", "logprobs", "num_cached_tokens",
+        "error", "error_type"}`` (``logprobs``: per token, raw logprob, top ids, top logprobs);
         ``request_id`` is the engine's own (``label#n``), what ``abort`` takes. A request that fails
         ends with finish_reason "error", ``error`` saying why and ``error_type`` one of request_failed,
         engine_unavailable, server_shutting_down."""
@@ -130,14 +131,16 @@ class EngineService:
         return {**self.engine.stats(), "model": self.info.get("model"), "status": self.status}
 
     async def shutdown(self) -> int:
-        """Refuse new requests and end every stream with a "server is shutting down" error; returns how
-        many were in flight. Called before the cluster is torn down (Ctrl-C, SIGTERM)."""
+        """Refuse new requests, end every stream with a "server is shutting down" error and stop the
+        workers; returns how many requests were in flight. Called before the cluster is torn down (Ctrl-C,
+        SIGTERM)."""
         if self.engine is None:
             self.status = "stopping"
             return 0
         self.status, self.detail = "stopping", "shutdown requested"
         updates = self.engine.fail_all(SHUTTING_DOWN)
         self._publish(updates, "server_shutting_down")
+        await asyncio.to_thread(self.engine.executor.shutdown)   # the workers and their devices go back now
         return len(updates)
 
     # -- the step loop ----------------------------------------------------------------------------
@@ -150,7 +153,8 @@ class EngineService:
             queue = self._streams.get(u.request_id)
             if queue is not None:
                 queue.put_nowait({"request_id": u.request_id, "token_ids": u.new_token_ids, "finished": u.finished,
-                                  "finish_reason": u.finish_reason, "error": u.error,
+                                  "finish_reason": u.finish_reason, "logprobs": u.logprobs,
+                                  "num_cached_tokens": u.num_cached_tokens, "error": u.error,
                                   "error_type": error_type if u.error else None})
 
     async def _run(self) -> None:
@@ -175,6 +179,8 @@ class EngineService:
             try:
                 output = await asyncio.to_thread(engine.executor.execute, plan.step)
             except Exception as exc:  # noqa: BLE001 - a request's fault, or the workers'
+                if self.status == "stopping":
+                    return   # the workers were stopped under this step on purpose
                 failed = engine.isolate(plan, exc)
                 if failed is not None:
                     log.warning("request %s failed a step; running the step without it: %s",
@@ -212,7 +218,8 @@ class EngineService:
         """Fail every request, then a fresh scheduler and manager over restarted workers."""
         engine = self.engine
         message = f"the engine reset after an internal error: {exc!r}"
-        self._publish([SequenceUpdate(rid, [], True, "error", message) for rid in self._streams], "engine_unavailable")
+        self._publish([SequenceUpdate(rid, [], True, "error", error=message) for rid in self._streams],
+                      "engine_unavailable")
         self.engine = Engine(engine.executor, engine.manager.specs, engine.manager.num_blocks, engine.config)
         self.engine.metrics = engine.metrics
         await self._restart_workers(self.engine)

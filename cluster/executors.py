@@ -82,6 +82,28 @@ class WorkerActor:
         return encode_output(out) if isinstance(out, StepOutput) else out
 
 
+def _owner() -> str:
+    """``namespace.actor-name.`` of the named actor starting the workers (the engine), else ""."""
+    import ray
+    context = ray.get_runtime_context()
+    actor = context.get_actor_name() if context.get_actor_id() else None
+    return f"{context.namespace}.{actor}." if actor else ""
+
+
+def _remove_stale_groups(owner: str, token: str) -> None:
+    """Remove the placement groups a dead predecessor of this named engine left behind.
+
+    A group outlives the actor that created it (Ray ties it to the job), so an engine that Ray restarts
+    after a crash would find its predecessor's devices still reserved and could never place its own
+    workers. An actor name is unique in its namespace, so a live group under this name and another
+    process's token is a dead predecessor's."""
+    import ray
+    for info in ray.util.placement_group_table().values():
+        name = info.get("name") or ""
+        if f"-ranks-{owner}" in name and not name.endswith(f"-{token}") and info.get("state") != "REMOVED":
+            ray.util.remove_placement_group(ray.util.get_placement_group(name))
+
+
 class RayExecutor:
     """One worker actor per device, in one placement group named for what it holds (a bundle per stage).
 
@@ -130,7 +152,10 @@ class RayExecutor:
         strategy = "SPREAD" if self.spread_stages and pp > 1 else "PACK"
         # Unique per start: a restarted engine must not meet the names of its dead predecessor's workers.
         token = f"{os.getpid()}-{self._generation}"
-        name = f"swakv-{pp}-stages-of-{tp}-ranks-{token}"
+        owner = _owner()
+        name = f"swakv-{pp}-stages-of-{tp}-ranks-{owner}{token}"
+        if self._generation == 1 and owner:
+            _remove_stale_groups(owner, token)
         self.placement_group = placement_group([dict(bundle) for _ in range(pp)], strategy=strategy, name=name)
         try:
             ray.get(self.placement_group.ready(), timeout=self.placement_timeout_s)

@@ -59,6 +59,17 @@ def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max
     return handle, info
 
 
+def stop_engine_actor(handle, timeout_s: float = 30.0) -> None:
+    """Stop an engine for good: its workers first (their placement group goes back), then the actor.
+    Killing the actor alone would leave the group reserved until the job ends."""
+    import ray
+    try:
+        ray.get(handle.shutdown.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - already dead, or not answering: killing it is all that is left
+        pass
+    ray.kill(handle, no_restart=True)
+
+
 def deploy(info: dict, *, host: str = "127.0.0.1", port: int = 8000, name: str = ENGINE_ACTOR_NAME,
            max_body_bytes: int | None = None):
     from .serve import DEFAULT_MAX_BODY_BYTES, build_app, run

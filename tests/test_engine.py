@@ -140,6 +140,33 @@ def test_a_chunk_a_worker_actor_refuses_fails_its_request_alone_through_ray(ray_
         engine.executor.shutdown()
 
 
+def test_an_engine_restarted_after_a_crash_reclaims_the_placement_group_its_predecessor_left(ray_runtime):
+    """Ray ties a placement group to the job, not to the actor that made it: a named engine that dies
+    would keep its devices reserved and its successor could never place workers."""
+    from cluster.launch import start_engine_actor
+    ray = ray_runtime
+
+    def groups():
+        return {i["name"]: i["state"] for i in ray.util.placement_group_table().values()
+                if "-ranks-swakv.test-pg-engine." in (i["name"] or "")}
+
+    handle, _ = start_engine_actor(dict(model="tiny-llama", block_size=4, num_blocks=64), name="test-pg-engine",
+                                   max_restarts=0, timeout_s=120)
+    (first,) = groups()
+    ray.kill(handle, no_restart=True)
+    time.sleep(1)
+    assert groups() == {first: "CREATED"}          # the crash left it behind
+    handle, _ = start_engine_actor(dict(model="tiny-llama", block_size=4, num_blocks=64), name="test-pg-engine",
+                                   max_restarts=0, timeout_s=120)
+    try:
+        (second,) = set(groups()) - {first}
+        assert groups() == {first: "REMOVED", second: "CREATED"}
+    finally:
+        assert ray.get(handle.shutdown.remote(), timeout=60) == 0   # stops the workers: the group goes too
+        ray.kill(handle, no_restart=True)
+    assert groups()[second] == "REMOVED"
+
+
 def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runtime):
     # tiny-gemma2: 4 heads, 2 KV heads, MLP 128 -> 2 ranks each keep 2 heads, 1 KV head, 64 columns;
     # two stages of two ranks: four worker actors, one gloo world, one sub-group per stage.

@@ -20,7 +20,7 @@ from cluster.engine_actor import SHUTTING_DOWN, EngineService, EngineUnavailable
 from cluster.executors import LocalExecutor
 from cluster.llm import LLM, build_engine
 from cluster.scheduler import SamplingParams
-from workers.protocol import RequestError, ScheduledChunk, StepInput
+from workers.protocol import RequestError, RequestStart, SamplingSpec, ScheduledChunk, StepInput
 from workers.tiny_models import build_tiny_model
 
 MODEL = "tiny-llama"
@@ -90,10 +90,11 @@ def test_a_chunk_the_worker_refuses_fails_its_request_and_the_step_runs_without_
 
 
 def test_a_request_the_encoder_cannot_carry_is_named():
-    chunk = ScheduledChunk("huge-seed", [1], 0, [[1]], True, 0.7, 2**64)
-    with pytest.raises(RequestError, match=r"request 'huge-seed' cannot be encoded") as info:
+    huge = RequestStart(SamplingSpec(logit_bias={2**70: 1.0}), 1)   # a token id msgpack cannot carry
+    chunk = ScheduledChunk("huge-bias", [1], 0, [[1]], True, huge)
+    with pytest.raises(RequestError, match=r"request 'huge-bias' cannot be encoded") as info:
         encode_step(StepInput(0, [ScheduledChunk("fine", [1], 0, [[2]], True), chunk]))
-    assert info.value.request_id == "huge-seed"
+    assert info.value.request_id == "huge-bias"
 
 
 class CrashesOn(LocalExecutor):

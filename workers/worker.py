@@ -19,8 +19,8 @@ from kvmanager.specs import AttentionSpec
 from workers.layer_kinds import LAYER_NAME, layer_specs
 from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
                                   stage_range)
-from workers.protocol import (GREEDY_BELOW, RequestError, ScheduledChunk, StepInput, StepOutput,
-                              check_chunk_fields)
+from workers.protocol import RequestError, ScheduledChunk, StepInput, StepOutput, check_chunk_fields
+from workers.sampling import Sampler
 from workers.tiny_models import TINY_MODELS, build_tiny_model
 
 NULL_BLOCK_ID = 0
@@ -94,6 +94,7 @@ class Worker:
                           specs={i: specs[i] for i in held},
                           groups={i: slots[i][0] for i in held})
         self._tables: dict[str, list[list[int]]] = {}
+        self.sampler = Sampler(self.vocab_size, self.device) if self.stage.is_last else None
 
     @classmethod
     def from_kv_budget(cls, model: Any, *, block_size: int, kv_budget_bytes: int,
@@ -127,8 +128,16 @@ class Worker:
         out = self.forward(step, hidden_states)
         if not self.stage.is_last:
             return out
-        sampled, failed = _sample(out, [c for c in step.chunks if c.sample])
-        return StepOutput(step_id=step.step_id, sampled=sampled, failed=failed)
+        chunks = [c for c in step.chunks if c.sample]
+        tokens, logprobs = self.sampler.sample(out, chunks)
+        sampled, failed = {}, {}
+        for chunk, token in zip(chunks, tokens):
+            if token < 0:   # its row held NaN: that request fails, the step stands for the others
+                failed[chunk.request_id] = "the model produced NaN logits for this request"
+                logprobs.pop(chunk.request_id, None)
+            else:
+                sampled[chunk.request_id] = token
+        return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, failed=failed)
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
@@ -136,7 +145,11 @@ class Worker:
         self._check_hidden(step, hidden_states)
         for request_id in step.forget:
             del self._tables[request_id]
+            if self.sampler:
+                self.sampler.forget(request_id)
         self._tables.update(tables)
+        if self.sampler:
+            self.sampler.observe(step.chunks)
         if not step.chunks:
             width = self.vocab_size if self.stage.is_last else self.stage.hidden_size
             return torch.zeros(0, width, device=self.device)
@@ -164,6 +177,10 @@ class Worker:
                 raise ValueError(f"request_id {chunk.request_id!r} appears twice in step {step.step_id}")
             check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = chunk.request_id in self._tables and chunk.request_id not in forget
+            if known and chunk.start is not None:
+                raise RequestError(chunk.request_id, f"request {chunk.request_id!r}: start sent for a request this "
+                                                     "worker already holds (only a request's first chunk on the "
+                                                     "workers carries one)")
             base = self._tables[chunk.request_id] if known else [[] for _ in self.groups]
             tables[chunk.request_id] = [old + list(new) for old, new in zip(base, chunk.new_block_ids)]
             self._check_table(chunk, tables[chunk.request_id], known)
@@ -242,26 +259,3 @@ def _layer_specs(model: transformers.PreTrainedModel, block_size: int) -> list[A
     """Specs by layer index, with the dtype the model (hence its cache) actually has."""
     dtype = str(model.dtype).removeprefix("torch.")
     return list(layer_specs(model.config.get_text_config(), block_size, dtype).values())
-
-
-def _sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[dict[str, int], dict[str, str]]:
-    """Greedy at temperature 0 (or below ``GREEDY_BELOW``); otherwise a draw seeded by (seed, position of the
-    new token). A row with NaN logits is not sampled but reported: (sampled, failed) by request id."""
-    nan_rows = logits.isnan().any(dim=-1)
-    tokens = torch.where(nan_rows, -1, logits.argmax(dim=-1)).tolist()   # one device sync for both
-    sampled, failed = {}, {}
-    for i, chunk in enumerate(chunks):
-        if tokens[i] < 0:
-            failed[chunk.request_id] = "the model produced NaN logits for this request"
-            continue
-        if chunk.temperature >= GREEDY_BELOW:
-            position = chunk.start_pos + len(chunk.token_ids)
-            generator = torch.Generator(device=logits.device)
-            generator.manual_seed((chunk.seed * 0x9E3779B97F4A7C15 + position) % 2**64)
-            probs = torch.softmax(logits[i].float() / chunk.temperature, dim=-1)
-            if probs.isnan().any():   # +inf logits, or none finite
-                failed[chunk.request_id] = "the model's logits for this request give no probability distribution"
-                continue
-            tokens[i] = int(torch.multinomial(probs, 1, generator=generator))
-        sampled[chunk.request_id] = tokens[i]
-    return sampled, failed
