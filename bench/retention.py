@@ -525,7 +525,7 @@ def print_table(rows: list[dict]) -> None:
         line += f"{sw['hit_rate']:>9.3f}" if sw else f"{'-':>9}"
         if vllm and sw:
             best = max(by[(w, lay, pool, s)]["hit_rate"] for s in vllm)
-            line += f"{sw['hit_rate'] / best:>11.2f}x" if best else f"{'inf':>12}"
+            line += f"{sw['hit_rate'] / best:>11.2f}x" if best else f"{'inf' if sw['hit_rate'] else '-':>12}"
         for s in others:
             r = by.get((w, lay, pool, s))
             line += f"{r['hit_rate']:>14.3f}" if r else f"{'-':>14}"
@@ -551,7 +551,10 @@ def print_analysis(rows: list[dict]) -> None:
         line = f"{w:<9}{lay:<9}{pool:>8}"
         for s in sims:
             rate = by[(w, lay, pool, s)]["hit_rate"]
-            line += f"{rate / best:>11.2f}x" if best else f"{rate:>12.3f}"
+            if best is None:            # no vLLM here: the rate itself
+                line += f"{rate:>12.3f}"
+            else:
+                line += f"{rate / best:>11.2f}x" if best else f"{'inf' if rate else '-':>12}"
         line += "".join(f"{by[(w, lay, pool, s)]['violations']:>16}" for s in sims)
         print(line)
     print("\nwhere hits were lost (shortfall vs every block ever filled, % of prompt tokens, charged to the "
@@ -586,8 +589,9 @@ def plot(rows: list[dict], path: str) -> None:
             for s in systems:
                 pts = sorted((r["pool_per_group"], r["hit_rate"]) for r in rows
                              if r["workload"] == w and r["layout"] == lay and r["system"] == s)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=s)
+                if pts:   # measured systems solid, simulated policies dashed
+                    ax.plot(*zip(*pts), marker="o", label=s, ls="--" if s.startswith("sim:") else "-",
+                            lw=1 if s.startswith("sim:") else 2, ms=3 if s.startswith("sim:") else 5)
             ceil = [r["hit_rate"] for r in rows if r["workload"] == w and r["layout"] == lay and r["system"] == "ceiling"]
             if ceil:
                 ax.axhline(ceil[0], ls="--", color="gray", label="unbounded pool")
