@@ -31,6 +31,7 @@ loadtest: install
 bench: install
 	$(PY) bench/manager_overhead.py
 	$(PY) bench/fanout.py
+	$(PY) bench/sampling.py
 
 cluster-up:
 	ray up -y $(CONFIG)

@@ -4,8 +4,10 @@ Load tests and capacity studies need the whole cluster (scheduler, manager, delt
 machines without GPUs. ``SimulatedWorker`` keeps the same append-only block-table mirrors a real worker
 keeps and checks every step against them more strictly than a real worker can afford to: positions must
 continue where the request's last step ended, every block a step reads or writes must be real, and no
-block may be written by two requests or hold two places of one table. It samples tokens from a hash of
-(seed, request seed, request id, position), so a replay after a fault yields the same tokens, and takes
+block may be written by two requests or hold two places of one table. It keeps each request's sampling
+spec with its mirror, as a real last stage does, and samples tokens from a hash of (seed, request seed,
+request id, position), so a replay after a fault yields the same tokens; asked for logprobs, it reports
+those of a uniform distribution (its tokens are not drawn from any model's). It takes
 the step's time from the roofline cost model (optionally sleeping it, scaled, so load tests feel real).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvmanager.specs import AttentionSpec
 
 from .cost_model import StepCostModel
 from .presets import load_model
-from .protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields, is_int
+from .protocol import GREEDY, ScheduledChunk, SamplingSpec, StepInput, StepOutput, check_chunk_fields, is_int
 
 NULL_BLOCK_ID = 0
 
@@ -57,6 +59,7 @@ class SimulatedWorker:
         self._tables: dict[str, list[list[int]]] = {}
         self._computed: dict[str, int] = {}       # tokens computed through the request's last step
         self._in_use: dict[str, list[list[int]]] = {}
+        self._specs: dict[str, SamplingSpec] = {}
 
     @classmethod
     def for_model(cls, model: Any, gpu: Any, *, num_blocks: int, block_size: int = 16,
@@ -93,11 +96,21 @@ class SimulatedWorker:
         tables, in_use = self.check(step)
         for request_id in step.forget:
             del self._tables[request_id], self._computed[request_id], self._in_use[request_id]
+            self._specs.pop(request_id, None)
         self._tables.update(tables)
         self._in_use.update(in_use)
         for chunk in step.chunks:
             self._computed[chunk.request_id] = chunk.start_pos + len(chunk.token_ids)
+            if chunk.start is not None:
+                self._specs[chunk.request_id] = chunk.start.sampling
         sampled = {c.request_id: self.sample(c) for c in step.chunks if c.sample}
+        logprobs = {}
+        for rid, token in sampled.items():
+            k = self._specs.get(rid, GREEDY).logprobs
+            if k is not None:
+                uniform = -math.log(self.vocab_size)
+                logprobs[rid] = (uniform, [(token + j) % self.vocab_size for j in range(min(k, self.vocab_size))],
+                                 [uniform] * min(k, self.vocab_size))
         seconds = 0.0
         if self.cost_model is not None and step.chunks:
             cost = self.cost_model.step([(c.start_pos, len(c.token_ids)) for c in step.chunks])
@@ -105,12 +118,13 @@ class SimulatedWorker:
             if self.sleep_factor:
                 own = seconds if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage)
                 time.sleep(own * self.sleep_factor)
-        return StepOutput(step_id=step.step_id, sampled=sampled, simulated_time_s=seconds)
+        return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, simulated_time_s=seconds)
 
     def sample(self, chunk: ScheduledChunk) -> int:
-        """The token after the chunk: a function of (seed, chunk seed, request id, its position) only."""
+        """The token after the chunk: a function of (seed, request seed, request id, its position) only."""
         position = chunk.start_pos + len(chunk.token_ids)
-        key = f"{self.seed}\x00{chunk.seed}\x00{chunk.request_id}\x00{position}".encode()
+        spec = chunk.start.sampling if chunk.start is not None else self._specs.get(chunk.request_id, GREEDY)
+        key = f"{self.seed}\x00{spec.seed or 0}\x00{chunk.request_id}\x00{position}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % self.vocab_size
 
     # -- checks (nothing changes until all pass) -----------------------------------------------
@@ -135,6 +149,9 @@ class SimulatedWorker:
                 raise ValueError(f"step {step.step_id}: request_id {rid!r} appears twice")
             check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = rid in self._tables and rid not in forget
+            if known and chunk.start is not None:
+                raise ValueError(f"request {rid!r}: start sent for a request this worker already holds (only a "
+                                 "request's first chunk on the workers carries one)")
             if known and chunk.start_pos != self._computed[rid]:
                 raise ValueError(f"request {rid!r}: start_pos={chunk.start_pos} does not continue its previous "
                                  f"steps, which computed positions 0..{self._computed[rid] - 1}")
