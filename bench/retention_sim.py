@@ -451,10 +451,6 @@ class SimManager:
         self._eviction_id = 0
         self._fork_end = 0
 
-    @property
-    def num_free_blocks(self) -> int:
-        return 1 << 62 if self.unbounded else len(self.policy)
-
     # -- hits --------------------------------------------------------------------------------------
     def _hit_length(self, req: SimRequest, max_tokens: int, sets) -> int:
         hashes = req.block_hashes(self.bs)
