@@ -32,6 +32,7 @@ bench: install
 	$(PY) bench/manager_overhead.py
 	$(PY) bench/fanout.py
 	$(PY) bench/sampling.py
+	$(PY) bench/retention.py --quiet
 
 cluster-up:
 	ray up -y $(CONFIG)
