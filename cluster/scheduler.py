@@ -90,7 +90,7 @@ class Scheduler:
         # Refuse what could never fit, instead of letting it wait forever at the head of the queue: even
         # alone, its last decode step must fit (prefill chunks shrink to fit when nothing else runs).
         total = min(seq.req.num_tokens + seq.params.max_tokens, limit)
-        need = sum(max_blocks_held(s, total) for s in self.manager.specs)
+        need = sum(max_blocks_held(s, total) * w for s, w in zip(self.manager.specs, self.manager.widths))
         if need > self.manager.num_blocks - 1:
             raise ValueError(f"request {rid!r}: {total} tokens need up to {need} KV blocks, the pool has "
                              f"{self.manager.num_blocks - 1}; shorten the prompt or max_tokens")
@@ -156,6 +156,7 @@ class Scheduler:
 
         if plan.step.chunks:  # otherwise nothing is sent: keep the mirrors to drop for the next step
             plan.step.forget, self._forget = self._forget, []
+            plan.step.compositions = mgr.pop_compositions()
         plan.num_tokens = self.max_num_batched_tokens - budget
         return plan
 
@@ -163,7 +164,7 @@ class Scheduler:
         req = seq.req
         plan.step.chunks.append(ScheduledChunk(
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
-            new_block_ids=[list(ids) for ids in new_block_ids], sample=start + n == req.num_tokens,
+            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens,
             temperature=seq.params.temperature, seed=seq.params.seed))
         plan.scheduled.append(seq)
 
@@ -196,8 +197,9 @@ class Scheduler:
         victims = list(self.running)
         for seq in reversed(victims):
             self._preempt(seq)
-        self._forget = []  # the new workers have no mirrors to drop
+        self._forget = []  # the new workers have no mirrors to drop, and know no composite
         self.manager.reset_prefix_cache()
+        self.manager.replay_compositions()
         return len(victims)
 
     # -- internals -----------------------------------------------------------------------------

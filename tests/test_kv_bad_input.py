@@ -12,7 +12,7 @@ def snapshot(mgr, *requests):
     """Everything an error must leave alone: free queue (in order), every block's count and cache entry,
     every table, the stats, and the requests' own counters."""
     pool = mgr.pool
-    return (list(pool._free),
+    return (pool.free.ids(),
             [(b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
             [{rid: [b.block_id for b in t] for rid, t in g.tables.items()} for g in mgr.coordinator.groups],
             (mgr.stats.lookups, mgr.stats.queried_tokens, mgr.stats.hit_tokens, mgr.stats.preemptions),

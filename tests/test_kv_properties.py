@@ -98,7 +98,7 @@ def test_coordinator_find_hit_equals_oracle_on_real_cached_blocks(specs, length,
         ids = {}
         for j, c in enumerate(pattern):
             if c:                                 # fill a block, enter it into the group's cache, free it
-                (blk,) = pool.take(1)
+                (blk,) = pool.take(1, g)
                 pool.cache(blk, g, hashes[j])
                 pool.release([blk])
                 ids[j] = blk.block_id
@@ -134,7 +134,8 @@ def test_manager_get_computed_blocks_equals_oracle_after_real_eviction(specs, le
     pool = mgr.pool
     for bid in evict:                                   # to the front of the free queue ...
         pool.touch([pool.blocks[bid]])
-        pool.release([pool.blocks[bid]], evict_first=True)
+        pool.blocks[bid].shared = False                 # as if its only holder dropped it: to the front
+        pool.release([pool.blocks[bid]], dropped=True)
     if evict:                                           # ... where a new request's allocation takes them
         filler = Request("filler", [99] * (len(evict) * 4))
         assert mgr.allocate_slots(filler, filler.num_tokens) is not None
@@ -156,7 +157,7 @@ TEMPLATES = [[(k * 7 + i * 3) % 5 for i in range(MAX_LEN)] for k in range(3)]
 
 def snapshot(mgr):
     pool = mgr.pool
-    return (list(pool._free), [(b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
+    return (pool.free.ids(), [(b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
             [{rid: [b.block_id for b in t] for rid, t in g.tables.items()} for g in mgr.coordinator.groups])
 
 
@@ -294,7 +295,7 @@ class KVMachine(RuleBasedStateMachine):
         for rid in self.running:
             for table in mgr.get_block_ids(rid):
                 held.update(b for b in table if b != NULL_BLOCK_ID)
-        free = list(pool._free)
+        free = pool.free.ids()
         assert len(free) == len(set(free)) and NULL_BLOCK_ID not in free
         free = set(free)
         for bid in range(1, mgr.num_blocks):

@@ -153,17 +153,20 @@ def test_forget_then_restart_and_stale_mirror_entries():
 
 def test_step_time_comes_from_the_cost_model():
     cost = StepCostModel("gemma-3-27b", "H100-80GB", pipeline_parallel_size=2)
-    specs = kv_layout(layer_specs("gemma-3-27b"), 2).group_specs
-    assert len(specs) == 31
-    ids = [[g + 1] for g in range(31)]
-    step = StepInput(0, [ScheduledChunk("r", [1, 2, 3], 0, ids)])
-    whole = SimulatedWorker(specs, 100, vocab_size=262208, cost_model=cost).execute(step)
+    layout = kv_layout(layer_specs("gemma-3-27b"), 2)
+    specs, widths = layout.group_specs, layout.group_widths
+    assert widths == (26, 5)           # 26 sliding + 5 full layers per stage, one layer per unit
+    # one block per group: sliding = units 1..26, full = units 27..31
+    step = StepInput(0, [ScheduledChunk("r", [1, 2, 3], 0, [[1], [27]])],
+                     compositions=[(0, 1, list(range(1, 27))), (1, 27, list(range(27, 32)))])
+    whole = SimulatedWorker(specs, 100, vocab_size=262208, widths=widths, cost_model=cost).execute(step)
     assert whole.simulated_time_s == cost.step([(0, 3)]).time_s
-    last = SimulatedWorker(specs, 100, vocab_size=262208, cost_model=cost, pipeline_stage=1).execute(step)
+    last = SimulatedWorker(specs, 100, vocab_size=262208, widths=widths, cost_model=cost,
+                           pipeline_stage=1).execute(step)
     assert last.simulated_time_s == cost.step([(0, 3)]).time_s   # any stage reports the whole step
-    assert SimulatedWorker(specs, 100, vocab_size=262208).execute(step).simulated_time_s == 0.0
+    assert SimulatedWorker(specs, 100, vocab_size=262208, widths=widths).execute(step).simulated_time_s == 0.0
     built = SimulatedWorker.for_model("gemma-3-27b", "H100-80GB", num_blocks=100, pipeline_parallel_size=2)
-    assert built.groups == list(specs) and built.vocab_size == 262208
+    assert built.groups == list(specs) and built.widths == widths and built.vocab_size == 262208
 
 
 @pytest.mark.parametrize("kwargs, match", [

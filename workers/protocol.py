@@ -2,7 +2,9 @@
 
 The engine owns every block table; a worker keeps an append-only mirror per request and KV-cache group,
 fed by ``new_block_ids``. Dropped entries are never sent back to a worker: attention never reads
-outside the window, so a stale id in the mirror is harmless.
+outside the window, so a stale id in the mirror is harmless. A table entry is one block id whatever the
+number of layers: a block of a group of width ``k > 1`` is a composite of ``k`` pool units, and the step
+carries each composite made since the last step (``compositions``), to apply before reading any table.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ class StepInput:
     step_id: int
     chunks: list[ScheduledChunk]
     forget: list[str] = field(default_factory=list)   # drop these mirrors before the step (freed, preempted)
+    # (group, block_id, units) per composite made since the last step, in order: block ``block_id`` of
+    # ``group`` now spans ``units`` (block_id first). Applied before the step; later entries win.
+    compositions: list = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +44,27 @@ class StepOutput:
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_compositions(compositions, widths, num_blocks: int) -> dict[int, dict[int, list[int]]]:
+    """Every composition well formed; returns, per group, block id -> units (the last entry for an id wins)."""
+    if not isinstance(compositions, list):
+        raise ValueError(f"compositions must be a list, got {type(compositions).__name__}")
+    out: dict[int, dict[int, list[int]]] = {}
+    for item in compositions:
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise ValueError(f"a composition must be (group, block_id, units), got {item!r}")
+        g, block_id, units = item
+        if not is_int(g) or not 0 <= g < len(widths) or widths[g] == 1:
+            groups = [i for i, w in enumerate(widths) if w > 1]
+            raise ValueError(f"composition {item!r}: group must be one of the groups wider than one unit {groups}")
+        if not isinstance(units, (list, tuple)) or len(units) != widths[g] \
+                or not all(is_int(u) and 0 < u < num_blocks for u in units) or len(set(units)) != len(units):
+            raise ValueError(f"composition {item!r}: group {g} needs {widths[g]} distinct units in [1, {num_blocks})")
+        if block_id != units[0]:
+            raise ValueError(f"composition {item!r}: a composite is named by its first unit, {units[0]}")
+        out.setdefault(g, {})[block_id] = list(units)
+    return out
 
 
 def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, vocab_size: int) -> None:
