@@ -141,7 +141,8 @@ class KVCacheManager:
         Returns the block ids appended to each group's table (a hit's nulls included), or ``None`` when
         the pool cannot hold it; then nothing has changed, not even the drop.
         """
-        self._check_request(request)
+        if type(request) is not Request or request.finished:  # noqa: E721 (the per-step path, checked cheaply)
+            self._check_request(request)
         rid = request.request_id
         if not (type(num_new_tokens) is int and type(num_new_computed_tokens) is int  # noqa: E721 (no bools)
                 and type(num_lookahead_tokens) is int
@@ -152,16 +153,19 @@ class KVCacheManager:
         running = self._running.get(rid)
         if running is not None and running is not request:
             raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
-        hit = self._check_hit(request, running is not None, num_new_computed_tokens, new_computed_blocks)
+        hit = self._no_hit
+        if num_new_computed_tokens or new_computed_blocks:
+            hit = self._check_hit(request, running is not None, num_new_computed_tokens, new_computed_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"request {rid!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        limit = self.max_model_len
+        if num_tokens > limit:
+            raise ValueError(f"request {rid!r}: {num_tokens} tokens exceed max_model_len={limit}")
         # Look-ahead slots past max_model_len could never be used: reserve up to the limit only.
-        num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
-
-        new = self.coordinator.allocate(request, num_computed, num_slots, num_tokens, hit)
-        if new is not None:
+        num_slots = num_tokens + num_lookahead_tokens
+        new = self.coordinator.allocate(request, num_computed, num_slots if num_slots < limit else limit,
+                                        num_tokens, hit)
+        if new is not None and running is None:
             self._running[rid] = request
         return new
 

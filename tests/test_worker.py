@@ -440,3 +440,25 @@ def test_tensor_parallel_sizes_must_divide():
         Worker("tiny-gemma2", block_size=BLOCK, num_blocks=8, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gated dense MLPs"):
         Worker("tiny-llama4", block_size=BLOCK, num_blocks=8, tensor_parallel_size=2)
+
+
+def test_members_table_routes_each_layer_to_its_unit():
+    # tiny-gemma3: layers sliding, sliding, full, sliding -> S = 1; sliding is 3 units wide, full 1. Layer
+    # 0 is sliding member 0, layer 1 member 1, layer 3 member 2; layer 2 is full attention's block itself.
+    worker, ref = make("tiny-gemma3")
+    assert worker.widths == (3, 1)
+    seq = tokens(4, 3)
+    logits = worker.forward(StepInput(0, [ScheduledChunk("r", seq, 0, [[5], [7]])], compositions=[(0, 5, [5, 9, 2])]))
+    torch.testing.assert_close(logits[0], dense_logits(ref, seq)[-1], atol=ATOL, rtol=0)
+    assert worker._members[0][5].tolist() == [5, 9, 2]
+    k_cache = worker.kv.caches[0][0]                      # the one K tensor every layer shares (S = 1)
+    written = {b for b in range(NUM_BLOCKS) if k_cache[b].abs().sum() > 0}
+    assert written == {2, 5, 7, 9}
+    assert all(k_cache[b, :3].abs().sum(-1).min() > 0 and k_cache[b, 3:].abs().sum() == 0 for b in written)
+    # recomposing block 5 (a new request after "r" is forgotten) moves its layers to other units
+    logits = worker.forward(StepInput(1, [ScheduledChunk("s", seq, 0, [[5], [8]])], forget=["r"],
+                                      compositions=[(0, 5, [5, 11, 12])]))
+    torch.testing.assert_close(logits[0], dense_logits(ref, seq)[-1], atol=ATOL, rtol=0)
+    assert worker._members[0][5].tolist() == [5, 11, 12]
+    with pytest.raises(ValueError, match="group 0 reads blocks \\[6\\], which no composition has named"):
+        worker.forward(StepInput(2, [ScheduledChunk("t", seq, 0, [[6], [9]])]))

@@ -66,9 +66,11 @@ class SimulatedWorker:
         self._computed: dict[str, int] = {}          # tokens computed through the request's last step
         self._windows: dict[str, list[range]] = {}   # per group: table entries the last step read
         self._live: dict[str, list[set[int]]] = {}   # per group: the blocks in that window
+        self._quiet: dict[str, tuple[int, int]] = {}   # a chunk ending by [0], starting before [1], moves nothing
         self._readers: list[dict[int, int]] = [{} for _ in self.groups]   # block -> windows holding it
         self._members: list[dict[int, tuple[int, ...]]] = [{} for _ in self.groups]   # composites' units
-        self._owner: dict[int, tuple[int, int]] = {}   # unit -> (group, block) of the live block spanning it
+        self._holder: dict[int, tuple[int, int]] = {}  # unit -> (group, block) of its latest composition
+        self._unit_groups = [g for g, w in enumerate(self.widths) if w == 1]   # whose blocks are units
 
     @classmethod
     def for_model(cls, model: Any, gpu: Any, *, num_blocks: int, block_size: int = 16,
@@ -148,15 +150,17 @@ class SimulatedWorker:
             raise ValueError(f"step {step.step_id}: forget names request ids this worker does not hold: {unknown}")
         if len(set(forget)) != len(forget):
             raise ValueError(f"step {step.step_id}: forget holds duplicate request ids: {forget}")
-        compositions = check_compositions(step.compositions, self.widths, self.num_blocks)
+        check_compositions(step.compositions, self.widths, self.num_blocks)
         for rid in forget:
             for g, live in enumerate(self._live[rid]):
                 for block in live:
                     self._leave(g, block, undo)
-            for d in (self._tables, self._computed, self._windows, self._live):
+            for d in (self._tables, self._computed, self._windows, self._live, self._quiet):
                 undo.append((d.__setitem__, rid, d.pop(rid)))
         # Windows move forward: first what leaves them, then compositions, then what enters.
         moves, seen = [], set()
+        tables, computed, quiets = self._tables, self._computed, self._quiet
+        num_groups, num_blocks, vocab = len(self.groups), self.num_blocks, self.vocab_size
         for chunk in step.chunks:
             if not isinstance(chunk, ScheduledChunk):
                 raise TypeError(f"step {step.step_id}: chunks must hold ScheduledChunk, got {type(chunk).__name__}")
@@ -164,33 +168,43 @@ class SimulatedWorker:
             if rid in seen:
                 raise ValueError(f"step {step.step_id}: request_id {rid!r} appears twice")
             seen.add(rid)
-            check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
-            known = rid in self._tables
-            if known and chunk.start_pos != self._computed[rid]:
-                raise ValueError(f"request {rid!r}: start_pos={chunk.start_pos} does not continue its previous "
-                                 f"steps, which computed positions 0..{self._computed[rid] - 1}")
-            if not known:
-                for d, v in ((self._tables, [[] for _ in self.groups]), (self._windows, [range(0)] * len(self.groups)),
-                             (self._live, [set() for _ in self.groups]), (self._computed, 0)):
+            check_chunk_fields(chunk, num_groups, num_blocks, vocab)
+            start = chunk.start_pos
+            end = start + len(chunk.token_ids)
+            known = rid in tables
+            if known:
+                if start != computed[rid]:
+                    raise ValueError(f"request {rid!r}: start_pos={start} does not continue its previous steps, "
+                                     f"which computed positions 0..{computed[rid] - 1}")
+                undo.append((computed.__setitem__, rid, start))
+            else:
+                for d, v in ((tables, [[] for _ in self.groups]), (self._windows, [range(0)] * num_groups),
+                             (self._live, [set() for _ in self.groups]), (quiets, (0, 0))):
                     d[rid] = v
                     undo.append((d.__delitem__, rid))
-            moves.append((chunk, known, self._move_out(chunk, known, undo)))
-        for g, composed in compositions.items():
-            self._compose(g, composed, undo)
+                undo.append((computed.pop, rid))
+            computed[rid] = end
+            quiet = quiets[rid]
+            if end <= quiet[0] and start < quiet[1] and not any(chunk.new_block_ids):
+                moves.append((chunk, None))            # most decode steps: no window moves
+            else:
+                moves.append((chunk, self._move_out(chunk, known, undo)))
+        for g, block, units in step.compositions:      # in order: a unit goes to its latest composite
+            self._compose(g, block, units, undo)
         writers: dict[int, tuple[str, int]] = {}    # block id (its first unit) -> (request, group) writing it
-        for chunk, known, windows in moves:
+        sizes = [spec.block_size for spec in self.groups]
+        windows_of = self._windows
+        for chunk, windows in moves:
             rid, start = chunk.request_id, chunk.start_pos
-            for g, (table, window) in enumerate(zip(self._tables[rid], windows)):
-                for b in table[start // self.groups[g].block_size:window.stop]:
+            for g, (table, window, bs) in enumerate(zip(tables[rid], windows or windows_of[rid], sizes)):
+                for b in table[start // bs:window.stop]:
                     other = writers.setdefault(b, (rid, g))
                     if other != (rid, g):
                         raise ValueError(f"step writes block {b} for request {rid!r} group {g} and for request "
                                          f"{other[0]!r} group {other[1]}")
-        for chunk, known, windows in moves:
-            self._move_in(chunk, windows, undo)
-            rid = chunk.request_id
-            undo.append((self._computed.__setitem__, rid, self._computed[rid]))
-            self._computed[rid] = chunk.start_pos + len(chunk.token_ids)
+        for chunk, windows in moves:
+            if windows is not None:
+                self._move_in(chunk, windows, undo)
 
     def _move_out(self, chunk: ScheduledChunk, known: bool, undo: list) -> list[range]:
         """Append the chunk's ids to its mirror; release the entries its window leaves; return the new windows."""
@@ -241,23 +255,43 @@ class SimulatedWorker:
                 self._enter(g, block, rid, undo)
         undo.append((self._windows.__setitem__, rid, old_windows))
         self._windows[rid] = windows
+        undo.append((_restore, self._quiet, rid, self._quiet.get(rid)))
+        self._quiet[rid] = (min(w.stop * spec.block_size for spec, w in zip(self.groups, windows)),
+                            min(spec.computed_to_reach((w.start + 1) * spec.block_size)
+                                for spec, w in zip(self.groups, windows)))
 
     def _enter(self, g: int, block: int, rid: str, undo: list) -> None:
+        """A window reaches ``block``; the first one checks that its units lie in no other live block."""
         readers = self._readers[g]
         n = readers.get(block, 0)
         readers[block] = n + 1
         undo.append((_restore, readers, block, n))
         if n:
             return
-        if self.widths[g] > 1 and block not in self._members[g]:
-            raise ValueError(f"request {rid!r}: group {g} reads block {block}, which no composition has named")
-        for unit in self.units(g, block):
-            holder = self._owner.get(unit)
-            if holder is not None:
-                raise ValueError(f"request {rid!r}: group {g} block {block} spans unit {unit}, which group "
-                                 f"{holder[0]} block {holder[1]} (read by a live window) spans too")
-            self._owner[unit] = (g, block)
-            undo.append((self._owner.__delitem__, unit))
+        if self.widths[g] > 1:
+            units = self._members[g].get(block)
+            if units is None:
+                raise ValueError(f"request {rid!r}: group {g} reads block {block}, which no composition has named")
+            for unit in units:
+                if self._holder[unit] != (g, block):
+                    raise ValueError(f"request {rid!r}: group {g} block {block} spans unit {unit}, which a later "
+                                     f"composition gave to group {self._holder[unit][0]} block "
+                                     f"{self._holder[unit][1]}")
+                self._check_unit_free(unit, f"request {rid!r}: group {g} block {block}", g)
+        else:
+            self._check_unit_free(block, f"request {rid!r}: group {g} block {block}", g)
+
+    def _check_unit_free(self, unit: int, what: str, group: int) -> None:
+        """No other block a live window reads spans ``unit`` (a width-1 group's block is its unit)."""
+        for g in self._unit_groups:
+            if g != group and self._readers[g].get(unit):
+                raise ValueError(f"{what} spans unit {unit}, which group {g} block {unit} (read by a live "
+                                 "window) spans too")
+        holder = self._holder.get(unit)
+        if holder is not None and holder[0] != group and self._readers[holder[0]].get(holder[1]) \
+                and unit in self._members[holder[0]][holder[1]]:
+            raise ValueError(f"{what} spans unit {unit}, which group {holder[0]} block {holder[1]} (read by a live "
+                             "window) spans too")
 
     def _leave(self, g: int, block: int, undo: list) -> None:
         readers = self._readers[g]
@@ -265,22 +299,21 @@ class SimulatedWorker:
         undo.append((readers.__setitem__, block, n))
         if n > 1:
             readers[block] = n - 1
-            return
-        del readers[block]
-        for unit in self.units(g, block):
-            undo.append((self._owner.__setitem__, unit, self._owner.pop(unit)))
+        else:
+            del readers[block]
 
-    def _compose(self, g: int, composed: dict[int, list[int]], undo: list) -> None:
+    def _compose(self, g: int, block: int, units: list[int], undo: list) -> None:
+        """Block ``block`` of ``g`` now spans ``units``: neither it nor any of them may be read by a live window."""
+        if block in self._readers[g]:
+            raise ValueError(f"composition of group {g} block {block}: a live window still reads it")
+        for unit in units:
+            self._check_unit_free(unit, f"composition of group {g} block {block}", -1)
         members = self._members[g]
-        for block, units in composed.items():
-            if block in self._readers[g]:
-                raise ValueError(f"composition of group {g} block {block}: a live window still reads it")
-            busy = [(u, self._owner[u]) for u in units if u in self._owner]
-            if busy:
-                raise ValueError(f"composition of group {g} block {block}: units {[u for u, _ in busy]} lie in "
-                                 f"blocks live windows read {[h for _, h in busy]}")
-            undo.append((_restore, members, block, members.get(block)))
-            members[block] = tuple(units)
+        undo.append((_restore, members, block, members.get(block)))
+        members[block] = tuple(units)
+        for unit in units:
+            undo.append((_restore, self._holder, unit, self._holder.get(unit)))
+            self._holder[unit] = (g, block)
 
 
 def _truncate(items: list, length: int) -> None:
