@@ -9,6 +9,11 @@ host time is schedule + encode + apply. Side by side in the same run: the previo
 ``S`` layers of a kind: 26 sliding + 5 full groups, width 1), driven by the same engine and worker code.
 Also printed: table ids and composition unit ids per step (deltas per step), and the GPU time the cost
 model gives the step, which host time must stay well below. CPU time (``time.process_time``), best round.
+In that trace every decode adds full-attention blocks and nothing is ever freed, so every new full block
+is a new composite. ``--churn`` adds the serving steady state: requests finish and new ones arrive
+(random prompts of 512..2048 tokens, half behind a shared 512-token prefix, 16..256 output tokens) in a
+pool 1.5x what the running ones need, so the prefix cache fills and is recycled; after a warm-up, it
+prints the ids the deltas carry per step.
 
     PYTHONPATH=. python bench/step_overhead.py [--requests 64 256 1024] [--steps 64] [--rounds 3]
 """
@@ -48,10 +53,10 @@ def engine_for(layout_name: str, num_requests: int, prompt_len: int, steps: int)
     """``per_kind``: the product (build_engine). ``split``: the previous layout, 1 group per S layers."""
     max_len = prompt_len + steps + num_requests // 4 + 64    # early requests decode while later ones prefill
     layout = kv_layout(load_model(MODEL).layer_specs(BLOCK))
-    per_request = layout.blocks_per_request(max_len, prompt_len)
-    num_blocks = num_requests * per_request + 64     # simulated workers allocate nothing: room for all
-    config = dict(max_model_len=max_len, max_num_batched_tokens=max(8192, prompt_len * 8),
-                  max_num_seqs=num_requests)
+    # Simulated workers allocate nothing: room for every request decoding, and 16 at their prefill peak
+    # (8 prompts a step, each holding its whole prompt's window until its first decode step).
+    num_blocks = num_requests * layout.blocks_per_request(max_len) + 16 * layout.blocks_per_request(max_len, prompt_len)
+    config = dict(max_model_len=max_len, max_num_batched_tokens=prompt_len * 8, max_num_seqs=num_requests)
     if layout_name == "per_kind":
         engine, _ = build_engine(MODEL, simulated_gpu=GPU, sleep_factor=0, block_size=BLOCK, num_blocks=num_blocks,
                                  **config)
@@ -104,12 +109,50 @@ def run(layout_name: str, num_requests: int, prompt_len: int, steps: int, seed: 
     return per_step
 
 
+def run_churn(num_running: int, steps: int, warmup: int, seed: int) -> dict:
+    """Turnover at a full pool: block ids per step in the deltas, table entries vs composed units."""
+    rng = random.Random(seed)
+    layout = kv_layout(load_model(MODEL).layer_specs(BLOCK))
+    max_len = 2048 + 256 + 16
+    num_blocks = int(num_running * layout.blocks_per_request(max_len, 512) * 1.1)
+    engine, _ = build_engine(MODEL, simulated_gpu=GPU, sleep_factor=0, block_size=BLOCK, num_blocks=num_blocks,
+                             max_model_len=max_len, max_num_batched_tokens=2048, max_num_seqs=num_running)
+    shared = [rng.randrange(1, 32000) for _ in range(512)]
+    count = 0
+
+    def arrive():
+        nonlocal count
+        n = rng.randrange(512, 2049)
+        head = shared if rng.random() < 0.5 else []
+        prompt = head + [rng.randrange(1, 32000) for _ in range(n - len(head))]
+        engine.add_request(f"c{count}", prompt, SamplingParams(max_tokens=rng.randrange(16, 257)))
+        count += 1
+
+    for _ in range(num_running):
+        arrive()
+    table_ids = unit_ids = 0
+    for step in range(warmup + steps):
+        plan = engine.schedule()
+        out = engine.executor.execute(plan.step)
+        for update in engine.apply(plan, out):
+            if update.finished:
+                arrive()
+        if step >= warmup:
+            table_ids += sum(len(ids) for c in plan.step.chunks for ids in c.new_block_ids)
+            unit_ids += sum(len(units) for _, _, units in plan.step.compositions)
+    usage = engine.stats()["kv_usage"]
+    return {"table_ids": table_ids / steps, "unit_ids": unit_ids / steps, "finished": count - num_running,
+            "free_units": engine.manager.num_free_blocks, "usage": usage,
+            "loose_units": len(engine.manager.pool.free._loose)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--churn", action="store_true", help="also the turnover trace (block ids per step only)")
     args = ap.parse_args()
     layouts = ("per_kind", "split")
     best: dict = {}
@@ -139,6 +182,10 @@ def main() -> None:
         print(f"  {n:>5} running: host {b['host'] / a['host']:.1f}x, execute {b['execute'] / a['execute']:.1f}x, "
               f"payload {b['payload_bytes'] / a['payload_bytes']:.1f}x; per_kind host = "
               f"{a['host'] / a['gpu_ms']:.1%} of the GPU step ({a['gpu_ms']:.1f} ms)")
+    if args.churn:
+        r = run_churn(64, steps=1000, warmup=2000, seed=0)
+        print(f"\nturnover, 64 running, pool 1.5x their need, steps 2000..3000 ({r['finished']} requests finished "
+              f"by then): {r['table_ids']:.1f} table ids + {r['unit_ids']:.1f} composed units per step")
 
 
 if __name__ == "__main__":
