@@ -84,6 +84,18 @@ def test_manager_construction_refuses_bad_groups_pool_and_max_model_len():
             KVCacheManager([FullAttention(block_size=2)], num_blocks=8, max_model_len=m)
 
 
+@pytest.mark.parametrize("widths, match", [
+    ((1,), r"one integer >= 1 per group \(2\)"), ((1, 0), "integer >= 1"), ((1, True), "integer >= 1"),
+    ((1, 2.0), "integer >= 1"), ((1, 8), r"num_blocks=8 cannot hold one block of 8 units"),
+])
+def test_manager_construction_refuses_bad_widths(widths, match):
+    with pytest.raises(ValueError, match=match):
+        KVCacheManager([FullAttention(block_size=2), SlidingWindow(block_size=2, window=4)], num_blocks=8,
+                       widths=widths)
+    # seven units hold one block of 7
+    assert KVCacheManager([FullAttention(block_size=2)], num_blocks=8, widths=(7,)).num_free_blocks == 7
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------------------------
