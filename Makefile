@@ -31,6 +31,8 @@ loadtest: install
 bench: install
 	$(PY) bench/manager_overhead.py
 	$(PY) bench/fanout.py
+	$(PY) bench/sampling.py
+	$(PY) bench/retention.py --quiet
 
 cluster-up:
 	ray up -y $(CONFIG)

@@ -2,13 +2,18 @@
 
 A prefix hit on a sliding group starts a table with many null entries; sending them as one integer
 keeps a step's payload proportional to the real blocks it adds. Compositions (the units of composites made
-since the last step) travel once each, ahead of the tables.
+since the last step) travel once each, ahead of the tables. A chunk's ``RequestStart`` (sampling spec,
+prompt length, seen tokens) is a nil on every chunk but a request's first on the workers.
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import msgpack
 
-from workers.protocol import ScheduledChunk, StepInput, StepOutput
+from workers.protocol import RequestStart, SamplingSpec, ScheduledChunk, StepInput, StepOutput
+
+_SPEC_FIELDS = tuple(f.name for f in fields(SamplingSpec))
 
 
 def _pack_ids(ids: list[int]) -> list:
@@ -18,23 +23,36 @@ def _pack_ids(ids: list[int]) -> list:
     return [nulls, ids[nulls:]]
 
 
+def _pack_start(start: RequestStart | None):
+    if start is None:
+        return None
+    return [[getattr(start.sampling, name) for name in _SPEC_FIELDS], start.num_prompt_tokens, start.seen_token_ids]
+
+
+def _unpack_start(packed) -> RequestStart | None:
+    if packed is None:
+        return None
+    values, num_prompt_tokens, seen = packed
+    return RequestStart(SamplingSpec(*values), num_prompt_tokens, seen)
+
+
 def encode_step(step: StepInput) -> bytes:
     chunks = [[c.request_id, c.token_ids, c.start_pos, [_pack_ids(g) for g in c.new_block_ids], c.sample,
-               c.temperature, c.seed] for c in step.chunks]
+               _pack_start(c.start)] for c in step.chunks]
     return msgpack.packb([step.step_id, chunks, step.forget, step.compositions])
 
 
 def decode_step(payload: bytes) -> StepInput:
     step_id, chunks, forget, compositions = msgpack.unpackb(payload)
     return StepInput(step_id, [
-        ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, temp, seed)
-        for rid, tokens, start, groups, sample, temp, seed in chunks], forget, compositions)
+        ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first))
+        for rid, tokens, start, groups, sample, first in chunks], forget, compositions)
 
 
 def encode_output(out: StepOutput) -> bytes:
-    return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s])
+    return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s, out.logprobs])
 
 
 def decode_output(payload: bytes) -> StepOutput:
-    step_id, sampled, simulated_time_s = msgpack.unpackb(payload)
-    return StepOutput(step_id, sampled, simulated_time_s)
+    step_id, sampled, simulated_time_s, logprobs = msgpack.unpackb(payload)
+    return StepOutput(step_id, sampled, simulated_time_s, {rid: tuple(entry) for rid, entry in logprobs.items()})

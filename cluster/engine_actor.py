@@ -38,7 +38,8 @@ class EngineService:
         return self.info
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: dict | None = None):
-        """Yields ``{"token_ids": [...], "finished": bool, "finish_reason": str | None}``."""
+        """Yields ``{"token_ids": [...], "finished": bool, "finish_reason": str | None, "logprobs": [...] | None,
+        "num_cached_tokens": int}`` (``logprobs``: per token, raw logprob, top ids, top logprobs)."""
         if self._failed is not None:
             raise RuntimeError(f"engine stopped after an unrecoverable error: {self._failed}")
         sampling = SamplingParams(**(params or {}))
@@ -92,7 +93,8 @@ class EngineService:
                     queue = self._streams.get(update.request_id)
                     if queue is not None:
                         queue.put_nowait({"token_ids": update.new_token_ids, "finished": update.finished,
-                                          "finish_reason": update.finish_reason})
+                                          "finish_reason": update.finish_reason, "logprobs": update.logprobs,
+                                          "num_cached_tokens": update.num_cached_tokens})
         except BaseException as exc:  # noqa: BLE001 - every waiting client must hear about it
             log.exception("engine loop stopped")
             self._failed = exc

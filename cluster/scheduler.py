@@ -7,28 +7,44 @@ the prefix cache). Long prompts are budgeted one chunk at a time, never whole at
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
 from kvmanager.planning import max_blocks_held
-from workers.protocol import ScheduledChunk, StepInput, StepOutput
+from workers.protocol import RequestStart, SamplingSpec, ScheduledChunk, StepInput, StepOutput
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
+    """A request's limits and stops (the engine's) and how it samples (the workers', as ``spec``)."""
+
+    max_tokens: int | None = None          # None: the rest of the context, as far as the pool lets one request go
     temperature: float = 0.0
-    seed: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | dict = ()
+    logprobs: int | None = None
+    seed: int | None = None                # any integer in [-2**63, 2**64); sent reduced mod 2**64
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingSpec)}
+        knobs["seed"] = None if self.seed is None else self.seed % 2**64
+        object.__setattr__(self, "spec", SamplingSpec(**knobs))   # checks every knob: ValueError names it
 
 
 @dataclass
@@ -40,6 +56,8 @@ class Sequence:
     status: str = "waiting"               # waiting | running | finished
     finish_reason: str | None = None      # length | stop | abort | error
     num_preemptions: int = 0
+    on_workers: bool = False              # its sampling spec was sent (and not forgotten since)
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
 
     @property
     def request_id(self) -> str:
@@ -52,6 +70,8 @@ class SequenceUpdate:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprobs: list | None = None          # per new token: (raw logprob, top ids, top logprobs), if asked
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -87,6 +107,9 @@ class Scheduler:
         if seq.req.num_tokens >= limit:
             raise ValueError(f"request {rid!r}: prompt of {seq.req.num_tokens} tokens leaves no room to "
                              f"generate within max_model_len={limit}")
+        if seq.params.max_tokens is None:   # the rest of the context, or what the pool holds for it alone
+            room = min(limit, self._pool_token_capacity()) - seq.req.num_tokens
+            seq.params = dataclasses.replace(seq.params, max_tokens=max(room, 1))
         # Refuse what could never fit, instead of letting it wait forever at the head of the queue: even
         # alone, its last decode step must fit (prefill chunks shrink to fit when nothing else runs).
         total = min(seq.req.num_tokens + seq.params.max_tokens, limit)
@@ -96,6 +119,19 @@ class Scheduler:
                              f"{self.manager.num_blocks - 1}; shorten the prompt or max_tokens")
         self.sequences[rid] = seq
         self.waiting.append(seq)
+
+    def _pool_token_capacity(self) -> int:
+        """The most tokens one request alone can reach in the pool (largest T whose peak fits)."""
+        if getattr(self, "_capacity", None) is None:
+            usable, lo, hi = self.manager.num_blocks - 1, 1, self.manager.max_model_len
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if sum(max_blocks_held(s, mid) for s in self.manager.specs) <= usable:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self._capacity = lo
+        return self._capacity
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now (client went away). False if it is unknown or already finished."""
@@ -149,6 +185,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_computed_tokens += num_hit
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = num_hit
             seq.status = "running"
             self.running.append(seq)
             self._add_chunk(plan, seq, req.num_computed_tokens, n, new)
@@ -162,10 +200,17 @@ class Scheduler:
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, start: int, n: int, new_block_ids) -> None:
         req = seq.req
+        first = None
+        if not seq.on_workers:   # its first chunk since admission: the workers learn how it samples
+            spec = seq.params.spec
+            num_prompt = len(req.prompt_token_ids)
+            seen_from = 0 if spec.repetition_penalty != 1.0 else min(num_prompt, start)
+            seen = req.all_token_ids[seen_from:start] if spec.has_penalties else []
+            first = RequestStart(spec, num_prompt, seen)
+            seq.on_workers = True
         plan.step.chunks.append(ScheduledChunk(
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
-            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens,
-            temperature=seq.params.temperature, seed=seq.params.seed))
+            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens, start=first))
         plan.scheduled.append(seq)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SequenceUpdate]:
@@ -189,7 +234,9 @@ class Scheduler:
                 reason = "length"
             if reason:
                 self._finish(seq, reason)
-            updates.append(SequenceUpdate(seq.request_id, [token], reason is not None, reason))
+            logprobs = output.logprobs.get(seq.request_id)
+            updates.append(SequenceUpdate(seq.request_id, [token], reason is not None, reason,
+                                          None if logprobs is None else [logprobs], seq.num_cached_tokens or 0))
         return updates
 
     def recompute_all(self) -> int:
@@ -207,6 +254,7 @@ class Scheduler:
         self.manager.preempt(seq.req)
         self.running.remove(seq)
         seq.status = "waiting"
+        seq.on_workers = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -1,71 +1,110 @@
 """The OpenAI-compatible Ray Serve application in front of the named engine actor.
 
 Replicas hold no model: they tokenise, validate, and relay the engine's per-request token streams, so
-several replicas can share one engine. Everything a client can get wrong is answered with a 4xx and a
-JSON error body before the engine sees the request; an engine that dies mid-request turns into a 503
-(an SSE error event once a stream has started) that says the request can be retried, and the next
-request looks the engine up again. A client that goes away cancels its engine stream, which aborts the
-request there. Sampling is greedy unless ``temperature`` is set; ``max_tokens`` defaults to 16.
+several replicas can share one engine. Everything a client can get wrong is answered with a 4xx and an
+OpenAI-shaped error body (``{"error": {"message", "type", "param", "code"}}``) before the engine sees
+the request; so is every option this server does not implement and that would change the output: a
+client never gets a silent 200 for an option it asked for and did not get (README lists them). An engine
+that dies mid-request turns into a 503 (an SSE error event once a stream has started) that says the
+request can be retried, and the next request looks the engine up again. A client that goes away cancels
+its engine streams, which aborts the requests there.
+
+Sampling is greedy unless ``temperature`` is set; ``max_tokens`` defaults to the rest of the context.
+Stop strings are matched here, on the detokenised text (the engine request is aborted at the match);
+``n`` siblings of a prompt are submitted once the first one's prompt is computed, so they reuse its
+KV blocks through the prefix cache instead of computing the prompt ``n`` times.
 """
 
 import asyncio
 import json
-import random
 import re
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from workers.protocol import MAX_LOGPROBS
 
 from .tokenizer import StreamDecoder, load_tokenizer
 
 ENGINE_CALL_TIMEOUT_S = 30.0
 RETRY_MESSAGE = "the engine restarted while serving this request; it can be retried"
+MAX_N = 16                 # choices per prompt
+MAX_PROMPTS = 64           # prompts in one /v1/completions request
+MAX_CHOICES = 256          # prompts x n
+MAX_STOP = 4               # stop strings (OpenAI's limit)
+LOGPROB_FLOOR = -9999.0    # JSON has no -inf
 
 
 # -- request bodies -----------------------------------------------------------------------------
-class _Body(BaseModel):
-    # Strict: "16" is not a number and 1 is not a bool. Unused OpenAI options are ignored.
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _Strict(BaseModel):
+    # Strict: "16" is not a number and 1 is not a bool. Unknown fields are refused (400 naming them):
+    # an option we ignored silently would be an option the client believes it got.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Body(_Strict):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
-    seed: int | None = None
-    n: Literal[1] = 1
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                       # vLLM's extension; -1 and 0: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)          # vLLM's extension
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)   # vLLM's extension
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None                          # only best_of == n (nothing to choose between)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     stream: bool = False
-    stream_options: dict | None = None
-
-    @model_validator(mode="after")
-    def _no_stop_strings(self):
-        if self.stop:
-            raise ValueError("stop strings are not supported; use stop_token_ids")
-        return self
+    stream_options: StreamOptions | None = None
+    response_format: dict | None = None                 # only {"type": "text"}
+    # Tool calling is not implemented: any use of it is refused (see ``_refuse``).
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    # Accepted and ignored on purpose: they label, store or route a request, never change its output.
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None                           # insertion is not implemented: refused unless empty
 
 
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_TextPart]
+    name: str | None = None                             # passed to the chat template, which may use it
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -74,23 +113,29 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    modalities: list[Literal["text"]] | None = None
 
 
 # -- errors -------------------------------------------------------------------------------------
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
+    """An OpenAI-shaped error: ``code`` is a string or None, ``param`` the request field at fault."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
 
 def _engine_restarted() -> APIError:
-    return APIError(503, RETRY_MESSAGE, "engine_restarted")
+    return APIError(503, RETRY_MESSAGE, "engine_restarted", code="engine_restarted")
 
 
 def _from_engine(exc: BaseException) -> APIError:
@@ -102,24 +147,72 @@ def _from_engine(exc: BaseException) -> APIError:
     cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the engine's own exception
     if isinstance(cause, (ValueError, TypeError)):
         return APIError(400, str(cause))
-    return APIError(503, f"engine error: {cause}", "engine_error")
+    return APIError(503, f"engine error: {cause}", "engine_error", code="engine_error")
 
 
-def _validation_message(err: ValidationError) -> str:
-    parts = []
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "literal"}
+
+
+def _validation_error(err: ValidationError) -> APIError:
+    parts, param = [], None
     for e in err.errors(include_url=False):
         if e["type"] == "json_invalid":
-            return f"request body is not valid JSON: {e['ctx'].get('error', e['msg'])}"
-        loc = ".".join(str(p) for p in e["loc"])
-        parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
-    return "; ".join(parts)
+            return APIError(400, f"request body is not valid JSON: {e['ctx'].get('error', e['msg'])}")
+        path = [str(p) for p in e["loc"] if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+        loc = ".".join(path)
+        param = param or loc or None
+        if e["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unrecognized request argument (this server does not support it)")
+        else:
+            parts.append(f"{loc}: {e['msg']}" if loc else e["msg"])
+    return APIError(400, "; ".join(dict.fromkeys(parts)), param=param)
 
 
 async def _parse(request: Request, body_type: type[_Body]) -> _Body:
     try:
         return body_type.model_validate_json(await request.body())
     except ValidationError as err:
-        raise APIError(400, _validation_message(err)) from None
+        raise _validation_error(err) from None
+
+
+def _refuse(body: _Body) -> None:
+    """Options that are well-formed but would change the output in ways this server does not implement."""
+    def no(param: str, message: str):
+        raise APIError(400, f"{param}: {message}", param=param)
+
+    if body.best_of is not None and body.best_of != body.n:
+        no("best_of", f"only best_of == n is supported (got best_of={body.best_of}, n={body.n})")
+    if body.response_format is not None and body.response_format != {"type": "text"}:
+        no("response_format", 'only {"type": "text"} is supported (no JSON mode or schemas)')
+    if body.tools:
+        no("tools", "tool calling is not supported")
+    if body.tool_choice not in (None, "none"):
+        no("tool_choice", "tool calling is not supported")
+    if body.functions:
+        no("functions", "function calling is not supported")
+    if body.function_call not in (None, "none"):
+        no("function_call", "function calling is not supported")
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stops) > MAX_STOP or not all(stops):
+        no("stop", f"at most {MAX_STOP} stop strings, none empty")
+    if body.stream_options is not None and not body.stream:
+        no("stream_options", "only allowed when stream is true")
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit():
+            no("logit_bias", f"keys must be token ids, got {key!r}")
+        if not -100.0 <= bias <= 100.0:
+            no("logit_bias", f"biases must lie in [-100, 100], got {bias} for token {key}")
+    if isinstance(body, CompletionBody):
+        if body.suffix:
+            no("suffix", "inserting text before a suffix is not supported")
+        if body.echo and body.logprobs is not None:
+            no("echo", "echo with logprobs would need the prompt's logprobs, which this server does not compute")
+    if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
+        no("top_logprobs", "top_logprobs needs logprobs: true")
+
+
+def _stop_strings(body: _Body) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -134,7 +227,7 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
-                    else "invalid_request_error").response()
+                    else "invalid_request_error", code="not_found" if exc.status_code == 404 else None).response()
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -162,8 +255,45 @@ def _stop(engine, stream, request_id: str) -> None:
         pass  # the engine is gone, and the request with it
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _Choice:
+    """One choice of a response: its engine request, its text (stop strings cut here) and logprobs."""
+
+    def __init__(self, index: int, prompt: int, engine_id: str, params: dict, decoder: StreamDecoder,
+                 echo: str = ""):
+        self.index, self.prompt, self.engine_id, self.params = index, prompt, engine_id, params
+        self.decoder, self.echo = decoder, echo
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[int, int, tuple]] = []   # (token, text offset, engine entry)
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def feed(self, item: dict) -> tuple[str, list]:
+        """Take one engine item; return its text delta and the logprob entries it added."""
+        entries = item.get("logprobs") or []
+        added = [(token, len(self.echo) + len(self.decoder.text), entry)
+                 for token, entry in zip(item["token_ids"], entries)]
+        self.logprobs += added
+        self.token_ids += item["token_ids"]
+        self.num_cached_tokens = item.get("num_cached_tokens", 0)
+        delta = self.decoder.add(item["token_ids"], final=item["finished"])
+        if self.decoder.stopped:
+            self.finish_reason = "stop"
+        elif item["finished"]:
+            self.finish_reason = item["finish_reason"]
+        return delta, added
+
+    @property
+    def text(self) -> str:
+        return self.echo + self.decoder.text
 
 
 # name, stats key, type, help
@@ -272,70 +402,189 @@ class OpenAIServer:
 
     # -- shared request handling -----------------------------------------------------------------
     def _params(self, body: _Body, max_tokens: int | None) -> dict:
+        """The engine's sampling parameters (stop strings and ``n`` stay here)."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error")
+                           "invalid_request_error", param="model", code="model_not_found")
         stop = list(body.stop_token_ids)
         if self.tokenizer.eos_token_id is not None and not body.ignore_eos:
             stop.append(self.tokenizer.eos_token_id)
-        return {"max_tokens": max_tokens or 16, "temperature": body.temperature,
-                "seed": body.seed if body.seed is not None else random.getrandbits(63),
-                "stop_token_ids": tuple(stop)}
+        if isinstance(body, ChatBody):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
+        return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+                "top_k": max(body.top_k, 0), "min_p": body.min_p, "presence_penalty": body.presence_penalty,
+                "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
+                "logit_bias": {int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
+                "logprobs": logprobs, "seed": body.seed, "stop_token_ids": tuple(stop)}
 
-    def _check_ids(self, ids: list[int], field: str) -> None:
+    def _check_ids(self, ids, field: str) -> None:
         bad = [t for t in ids if not 0 <= t < self._vocab_size]
         if bad:
-            raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}")
+            raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}",
+                           param=field.split("[")[0])
 
-    async def _respond(self, kind: str, body: _Body, prompt_ids: list[int], params: dict, request: Request):
+    def _choices(self, request_id: str, body: _Body, prompts: list[list[int]], params: dict,
+                 echoes: list[str]) -> list[_Choice]:
+        """``n`` choices per prompt, indexed prompt-major; sibling ``j`` of a seeded request uses seed + j."""
+        n, stops = body.n, _stop_strings(body)
+        choices = []
+        for p in range(len(prompts)):
+            for j in range(n):
+                index = p * n + j
+                own = dict(params)
+                if params["seed"] is not None:
+                    own["seed"] = (params["seed"] + j) % 2**64
+                engine_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+                choices.append(_Choice(index, p, engine_id, own, StreamDecoder(self.tokenizer, stops), echoes[p]))
+        return choices
+
+    async def _open(self, choice: _Choice, prompt_ids: list[int]):
+        """The choice's engine stream and its first item (errors before it are plain HTTP errors)."""
+        items = self._items(choice.engine_id, prompt_ids, choice.params)
+        try:
+            return items, await anext(items)
+        except BaseException:
+            await items.aclose()
+            raise
+
+    async def _pump(self, choice: _Choice, opened, prompt_ids: list[int], queue: asyncio.Queue) -> None:
+        """Feed a choice from its engine stream (opening it first if needed), reporting each step."""
+        items = None
+        try:
+            items, item = opened if opened is not None else await self._open(choice, prompt_ids)
+            while True:
+                delta, added = choice.feed(item)   # the event as of now: the consumer may lag behind
+                queue.put_nowait((choice, delta, item, choice.finish_reason, added))
+                if choice.done:
+                    return
+                item = await anext(items)
+        except Exception as exc:  # noqa: BLE001 - the consumer raises it
+            queue.put_nowait((choice, exc, None, None, []))
+        finally:
+            if items is not None:
+                await items.aclose()   # stopped early (a stop string): the engine request is aborted
+
+    async def _run(self, choices: list[_Choice], prompts: list[list[int]]):
+        """Each prompt's first choice is opened before anything is returned, so a refused request is an HTTP
+        error; its siblings start once it has its first token: its prompt's blocks are cached by then, and
+        they reuse them. Yields (choice, text delta, engine item, finish reason, new logprob entries)."""
+        firsts = [c for c in choices if c.index % (len(choices) // len(prompts)) == 0]
+        opened = await asyncio.gather(*(self._open(c, prompts[c.prompt]) for c in firsts), return_exceptions=True)
+        failed = next((o for o in opened if isinstance(o, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(o[0].aclose() for o in opened if not isinstance(o, BaseException)))
+            raise _from_engine(failed)
+        return self._events(choices, prompts, dict(zip((c.index for c in firsts), opened)))
+
+    async def _events(self, choices: list[_Choice], prompts: list[list[int]], opened: dict):
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(c, opened.get(c.index), prompts[c.prompt], queue)) for c in choices]
+        try:
+            remaining = len(choices)
+            while remaining:
+                event = await queue.get()
+                if isinstance(event[1], BaseException):
+                    raise _from_engine(event[1])
+                remaining -= event[3] is not None
+                yield event
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _logprobs(self, kind: str, entries: list) -> dict | None:
+        """OpenAI's logprobs object for (token, text offset, engine entry) entries."""
+        def token(t):
+            raw = self.tokenizer.token_bytes(t)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+
+        if kind == "chat":
+            content = []
+            for t, _, (lp, top_ids, top_lps) in entries:
+                text, raw = token(t)
+                content.append({"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": raw, "top_logprobs": [
+                    {"token": token(i)[0], "logprob": max(v, LOGPROB_FLOOR), "bytes": token(i)[1]}
+                    for i, v in zip(top_ids, top_lps)]})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, offset, (lp, top_ids, top_lps) in entries:
+            top = {}
+            for i, v in zip(top_ids, top_lps):   # most likely first; a text two tokens share keeps the likelier
+                top.setdefault(token(i)[0], max(v, LOGPROB_FLOOR))
+            top.setdefault(token(t)[0], max(lp, LOGPROB_FLOOR))   # the sampled token is always listed
+            out["tokens"].append(token(t)[0])
+            out["token_logprobs"].append(max(lp, LOGPROB_FLOOR))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+        return out
+
+    async def _respond(self, kind: str, body: _Body, prompts: list[list[int]], params: dict, request: Request,
+                       echoes: list[str] | None = None):
+        _refuse(body)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices exceed {MAX_CHOICES}", param="n")
         request_id = _request_id(request, kind)
         await self._connect()  # learn the engine's vocabulary before checking ids against it
-        self._check_ids(prompt_ids, "prompt")
+        for p, ids in enumerate(prompts):
+            self._check_ids(ids, "prompt" if len(prompts) == 1 else f"prompt[{p}]")
         self._check_ids(list(params["stop_token_ids"]), "stop_token_ids")
-        items = self._items(request_id, prompt_ids, params)
+        self._check_ids(list(params["logit_bias"]), "logit_bias")
+        choices = self._choices(request_id, body, prompts, params, echoes or [""] * len(prompts))
+        events = await self._run(choices, prompts)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        wants_logprobs = params["logprobs"] is not None
         if body.stream:
-            first = await anext(items)  # errors before the first token are still plain HTTP errors
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._sse_stream(kind, head, first, items, len(prompt_ids), usage),
-                                     media_type="text/event-stream")
-        token_ids, reason = [], None
-        async for item in items:
-            token_ids += item["token_ids"]
-            reason = item["finish_reason"]
-        text = self.tokenizer.decode(token_ids)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            head["object"] = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-            head["object"] = "text_completion"
-        choice.update(token_ids=token_ids, finish_reason=reason)
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), len(token_ids))}
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse_stream(kind, head, choices, prompts, events, wants_logprobs,
+                                                      include_usage), media_type="text/event-stream")
+        async for _ in events:
+            pass
+        out = []
+        for c in choices:
+            logprobs = self._logprobs(kind, c.logprobs) if wants_logprobs else None
+            if kind == "chat":
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
+            else:
+                choice = {"index": c.index, "text": c.text, "logprobs": logprobs}
+            out.append({**choice, "token_ids": c.token_ids, "finish_reason": c.finish_reason})
+        head["object"] = "chat.completion" if kind == "chat" else "text_completion"
+        return {**head, "choices": out, "usage": self._total_usage(choices, prompts)}
 
-    async def _sse_stream(self, kind: str, head: dict, first: dict, items, num_prompt: int, usage: bool):
+    @staticmethod
+    def _total_usage(choices: list[_Choice], prompts: list[list[int]]) -> dict:
+        """A prompt counts once however many choices it has; its cached tokens are its first choice's hit."""
+        n = len(choices) // len(prompts)
+        return _usage(sum(map(len, prompts)), sum(len(c.token_ids) for c in choices),
+                      sum(c.num_cached_tokens for c in choices if c.index % n == 0))
+
+    async def _sse_stream(self, kind: str, head: dict, choices: list[_Choice], prompts, events,
+                          wants_logprobs: bool, include_usage: bool):
         head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
-        decoder = StreamDecoder(self.tokenizer)
         if kind == "chat":
-            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                             "finish_reason": None}]})
-        item = first
+            for c in choices:
+                yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+        echoed = set()
         try:
-            while True:
-                text = decoder.add(item["token_ids"], final=item["finished"])
-                choice = {"index": 0, "delta": {"content": text}} if kind == "chat" \
-                    else {"index": 0, "text": text, "logprobs": None}
-                choice.update(token_ids=item["token_ids"], finish_reason=item["finish_reason"])
+            async for c, delta, item, finish_reason, added in events:
+                logprobs = self._logprobs(kind, added) if wants_logprobs else None
+                if kind == "chat":
+                    choice = {"index": c.index, "delta": {"content": delta}, "logprobs": logprobs}
+                else:
+                    if c.echo and c.index not in echoed:
+                        delta = c.echo + delta
+                        echoed.add(c.index)
+                    choice = {"index": c.index, "text": delta, "logprobs": logprobs}
+                choice.update(token_ids=item["token_ids"], finish_reason=finish_reason)
                 yield _sse({**head, "choices": [choice]})
-                if item["finished"]:
-                    break
-                item = await anext(items)
-            if usage:
-                yield _sse({**head, "choices": [], "usage": _usage(num_prompt, len(decoder.token_ids))})
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": self._total_usage(choices, prompts)})
         except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel in the stream
             yield _sse(_from_engine(exc).body())
         finally:
-            await items.aclose()  # a client that went away stops the engine stream now, not at GC
+            await events.aclose()  # a client that went away stops the engine streams now, not at GC
         yield _sse("[DONE]")
 
     # -- routes ---------------------------------------------------------------------------------
@@ -344,20 +593,36 @@ class OpenAIServer:
         body = await _parse(request, CompletionBody)
         params = self._params(body, body.max_tokens)
         prompt = body.prompt
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return await self._respond("completion", body, prompt_ids, params, request)
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
+        prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in batch]
+        echoes = [(p if isinstance(p, str) else self.tokenizer.decode(ids)) if body.echo else ""
+                  for p, ids in zip(batch, prompts)]
+        return await self._respond("completion", body, prompts, params, request, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         body = await _parse(request, ChatBody)
         params = self._params(body, body.max_completion_tokens or body.max_tokens)
-        prompt_ids = self.tokenizer.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await self._respond("chat", body, prompt_ids, params, request)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        return await self._respond("chat", body, [self.tokenizer.chat_prompt(messages)], params, request)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "swakv",
+                "max_model_len": self.max_model_len}
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "swakv", "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        if model_id != self.model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist", "invalid_request_error", param="model",
+                           code="model_not_found")
+        return self._model_card()
 
     @app.get("/health")
     async def health(self):

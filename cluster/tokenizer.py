@@ -1,9 +1,10 @@
 """Text <-> token ids for the Serve app: the model's own tokenizer when it ships one, bytes otherwise.
 
 The byte-level fallback needs no files and no downloads, so text prompts work with the tiny random
-models (vocabulary 256: one token per byte). Both kinds offer the same four things the app uses:
-``encode``, ``decode``, ``chat_prompt`` and ``eos_token_id``; ``StreamDecoder`` turns a stream of ids
-into text deltas that never split a multi-byte character.
+models (vocabulary 256: one token per byte). Both kinds offer the same things the app uses:
+``encode``, ``decode``, ``chat_prompt``, ``eos_token_id`` and, for logprobs, ``token_bytes`` (the raw
+bytes a token stands for; its text is their UTF-8 reading). ``StreamDecoder`` turns a stream of ids into
+text deltas that never split a multi-byte character and never show part of a stop string.
 """
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ class ByteTokenizer:
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         return self.encode(_plain_chat(messages))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < 256 else b""
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for bytes (GPT-2's scheme): printable Latin-1 bytes stand for
+    themselves, the others for the code points from 256 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + extra)] = b
+            extra += 1
+    return alphabet
+
 
 class HFTokenizer:
     """A transformers tokenizer read from local files, with the model's chat template when it has one."""
@@ -43,6 +61,10 @@ class HFTokenizer:
         self.tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         self.vocab_size = len(self.tok)
         self.eos_token_id = self.tok.eos_token_id
+        self._special = set(self.tok.all_special_ids)
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._alphabet = _byte_level_alphabet() if byte_level else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
@@ -56,6 +78,17 @@ class HFTokenizer:
             return self.encode(text, add_special_tokens=False)  # the template already holds BOS
         return self.encode(_plain_chat(messages))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if self._alphabet is not None and token_id not in self._special \
+                and all(c in self._alphabet for c in piece):
+            return bytes(self._alphabet[c] for c in piece)
+        if token_id in self._special:
+            return piece.encode()
+        return self.tok.decode([token_id]).encode()
+
 
 def load_tokenizer(model_dir: str | os.PathLike | None) -> ByteTokenizer | HFTokenizer:
     if model_dir is not None and os.path.isdir(model_dir) \
@@ -65,18 +98,48 @@ def load_tokenizer(model_dir: str | os.PathLike | None) -> ByteTokenizer | HFTok
 
 
 class StreamDecoder:
-    """Text deltas of a growing id list; a trailing partial character waits for the bytes that finish it."""
+    """Text deltas of a growing id list, decoding only a short tail each time.
 
-    def __init__(self, tokenizer):
+    A trailing partial character waits for the bytes that finish it. With ``stop`` strings, text that
+    could still become a stop string is held back, and once one appears the text ends just before it
+    (``stopped``); the stop string itself is never returned.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = ()):
         self.tokenizer = tokenizer
+        self.stop = tuple(stop)
         self.token_ids: list[int] = []
-        self.sent = ""
+        self.text = ""            # decoded so far; with stop strings, cut at the first one
+        self.sent = ""            # what ``add`` returned so far
+        self.stopped = False
+        self._prefix = self._read = 0   # the tail decoded each time starts at _prefix; text covers up to _read
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
         self.token_ids.extend(token_ids)
-        text = self.tokenizer.decode(self.token_ids)
-        if not final:
-            text = text.rstrip("\ufffd")
-        delta = text[len(self.sent):]
-        self.sent += delta
-        return delta
+        decode = self.tokenizer.decode
+        before = decode(self.token_ids[self._prefix:self._read])
+        now = decode(self.token_ids[self._prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.token_ids)
+        pending = self.text[len(self.sent):]
+        if self.stop:
+            found = [i for i in (self.text.find(s, len(self.sent)) for s in self.stop) if i >= 0]
+            if found:
+                self.stopped = True
+                self.text = self.text[:min(found)]
+                pending = self.text[len(self.sent):]
+            elif not final:
+                pending = pending[:len(pending) - self._could_become_stop(pending)]
+        self.sent += pending
+        return pending
+
+    def _could_become_stop(self, pending: str) -> int:
+        """Length of the longest end of ``pending`` that begins some stop string."""
+        for k in range(min(len(pending), max(map(len, self.stop)) - 1), 0, -1):
+            tail = pending[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0

@@ -5,7 +5,7 @@ from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.planning import kv_layout
 from workers.cost_model import StepCostModel
 from workers.presets import layer_specs
-from workers.protocol import ScheduledChunk, StepInput
+from workers.protocol import GREEDY, RequestStart, SamplingSpec, ScheduledChunk, StepInput
 from workers.simulated import SimulatedWorker
 
 HYBRID = [FullAttention(4), SlidingWindow(4, window=8)]
@@ -83,12 +83,28 @@ def test_deterministic_for_a_seed_and_replayable():
     assert [sum(rid in s for s in first) for rid in "ab"] == [10, 11]
     # A fresh worker (after a fault) re-running one request produces the same token at the same position.
     w1, w2 = (SimulatedWorker(HYBRID, 200, vocab_size=1000, seed=7) for _ in range(2))
-    chunk = ScheduledChunk("a", [1, 2, 3], 0, [[1], [2]], sample=True, seed=5)
+    seeded = RequestStart(SamplingSpec(seed=5), 3)
+    chunk = ScheduledChunk("a", [1, 2, 3], 0, [[1], [2]], sample=True, start=seeded)
     assert w1.execute(StepInput(0, [chunk])).sampled == w2.execute(StepInput(9, [chunk])).sampled
-    other_request = ScheduledChunk("z", [1, 2, 3], 0, [[1], [2]], sample=True, seed=5)
-    assert [w1.sample(ScheduledChunk("a", [1], p, [[], []], seed=5)) for p in range(8)] != \
-           [w1.sample(ScheduledChunk("z", [1], p, [[], []], seed=5)) for p in range(8)]
+    other_request = ScheduledChunk("z", [1, 2, 3], 0, [[1], [2]], sample=True, start=seeded)
+    assert [w1.sample(ScheduledChunk("a", [1], p, [[], []], start=seeded)) for p in range(8)] != \
+           [w1.sample(ScheduledChunk("z", [1], p, [[], []], start=seeded)) for p in range(8)]
+    assert [w1.sample(ScheduledChunk("a", [1], p, [[], []], start=seeded)) for p in range(8)] != \
+           [w1.sample(ScheduledChunk("a", [1], p, [[], []], start=RequestStart(SamplingSpec(seed=6), 3)))
+            for p in range(8)]
     assert 0 <= w2.sample(other_request) < 1000
+
+
+def test_sampling_specs_live_with_the_mirror_and_logprobs_are_uniform():
+    w = SimulatedWorker(HYBRID, 200, vocab_size=1000, seed=7)
+    spec = SamplingSpec(temperature=1.0, seed=5, logprobs=2)
+    first = w.execute(StepInput(0, [ScheduledChunk("a", [1, 2, 3], 0, [[1], [2]], start=RequestStart(spec, 3))]))
+    token = first.sampled["a"]
+    assert first.logprobs == {"a": (pytest.approx(-6.907755), [token, (token + 1) % 1000], [pytest.approx(-6.907755)] * 2)}
+    second = w.execute(StepInput(1, [ScheduledChunk("a", [token], 3, [[], []])]))   # no start: the kept spec
+    assert set(second.logprobs) == {"a"}
+    w.execute(StepInput(2, [ScheduledChunk("a", [1, 2, 3], 0, [[3], [4]])], forget=["a"]))   # recomputed, no start
+    assert w.execute(StepInput(3, [ScheduledChunk("a", [9], 3, [[], []])])).logprobs == {}   # greedy defaults
 
 
 def test_prefix_hit_first_chunk_starts_after_the_hit():
@@ -122,7 +138,9 @@ def _worker():
      r"new_block_ids\[0\] holds ids outside \[0, 50\): \[50\]"),
     (StepInput(1, [ScheduledChunk("n", [1], 0, [[7]])]), "must be 2 lists, one per KV-cache group"),
     (StepInput(1, [ScheduledChunk("n", [100], 0, [[7], [8]])]), r"token_ids must be integers in \[0, 100\)"),
-    (StepInput(1, [ScheduledChunk("n", [1], 0, [[7], [8]], temperature=-1)]), "temperature"),
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[7], [8]], start=RequestStart(SamplingSpec(logit_bias={100: 1.0}), 1))]),
+     r"logit_bias names token ids outside \[0, 100\): \[100\]"),
+    (StepInput(1, [ScheduledChunk("r", [1], 10, [[], []], start=RequestStart(GREEDY, 10))]), "already holds"),
     (StepInput(1, [ScheduledChunk("n", [1], 0, [[7], [8]]), ScheduledChunk("n", [1], 0, [[9], [10]])]),
      "appears twice"),
     (StepInput(1, [ScheduledChunk("r", [1], 10, [[], []]), ScheduledChunk("n", [1], 0, [[3], [8]])]),

@@ -13,7 +13,7 @@ import torch
 
 from kvmanager.planning import kv_layout
 from workers.layer_kinds import layer_specs
-from workers.protocol import ScheduledChunk, StepInput
+from workers.protocol import GREEDY, RequestStart, SamplingSpec, ScheduledChunk, StepInput
 from workers.tiny_models import build_tiny_model, tiny_config
 from workers.worker import Worker, execute_pipeline
 
@@ -36,14 +36,14 @@ class HandTables:
         self.units: dict[tuple[int, int], list[int]] = {}    # (group, block id) -> its units
         self.compositions: list = []             # made since the last step
 
-    def chunk(self, rid, token_ids, start, **kwargs) -> ScheduledChunk:
+    def chunk(self, rid, token_ids, pos, **kwargs) -> ScheduledChunk:
         tables = self.tables.setdefault(rid, [[] for _ in self.groups])
         sent = self.sent.setdefault(rid, [0] * len(self.groups))
-        end = start + len(token_ids)
+        end = pos + len(token_ids)
         new = []
         for g, spec in enumerate(self.groups):
             table = tables[g]
-            for j in range(min(spec.first_needed_token(start) // BLOCK, len(table))):
+            for j in range(min(spec.first_needed_token(pos) // BLOCK, len(table))):
                 if table[j]:
                     self.free[:0] = self.units[g, table[j]]  # reused by the very next allocation
                     table[j] = 0
@@ -57,7 +57,7 @@ class HandTables:
                 table.append(units[0])
             new.append(table[sent[g]:])
             sent[g] = len(table)
-        return ScheduledChunk(rid, list(token_ids), start, new, **kwargs)
+        return ScheduledChunk(rid, list(token_ids), pos, new, **kwargs)
 
     def step(self, step_id, chunks, forget=()) -> StepInput:
         """A step carrying the compositions made for its chunks."""
@@ -270,7 +270,8 @@ def test_temperature_sampling_replays_and_varies():
     def sample(seeds, temperature=1.0, table_seed=0, step_id=0):
         worker = make("tiny-llama")[0]
         hand = HandTables(worker, seed=table_seed)
-        chunks = [hand.chunk(f"r{seed}", seq, 0, temperature=temperature, seed=seed) for seed in seeds]
+        chunks = [hand.chunk(f"r{seed}", seq, 0, start=RequestStart(SamplingSpec(temperature=temperature, seed=seed),
+                                                                     len(seq))) for seed in seeds]
         sampled = worker.execute(hand.step(step_id, chunks)).sampled
         return [sampled[f"r{seed}"] for seed in seeds]
 
@@ -325,7 +326,9 @@ def test_bad_steps_are_refused_before_any_change():
         (ScheduledChunk("A", [256], 10, [[], []]), "token_ids"),
         (ScheduledChunk("A", [], 10, [[], []]), "token_ids"),
         (ScheduledChunk("A", [1], -1, [[], []]), "start_pos"),
-        (ScheduledChunk("A", [1], 10, [[], []], temperature=-1.0), "temperature"),
+        (ScheduledChunk("A", [1], 10, [[], []], start=RequestStart(GREEDY, 10)), "already holds"),
+        (ScheduledChunk("N", [1], 0, [[5], [7]], start=RequestStart(SamplingSpec(logit_bias={256: 1.0}), 1)),
+         r"logit_bias names token ids outside \[0, 256\)"),
         # the window of position 12 (W = 8) starts at 5: logical block 1 must be real
         (ScheduledChunk("N", [1], 12, [[0, 0, 9, 10], [11, 12, 13, 14]]), r"null block at logical blocks \[1\]"),
     ]

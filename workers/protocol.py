@@ -5,11 +5,100 @@ fed by ``new_block_ids``. Dropped entries are never sent back to a worker: atten
 outside the window, so a stale id in the mirror is harmless. A table entry is one block id whatever the
 number of layers: a block of a group of width ``k > 1`` is a composite of ``k`` pool units, and the step
 carries each composite made since the last step (``compositions``), to apply before reading any table.
+
+Sampling parameters travel once per request and worker, not in every chunk: a request's first chunk on
+the workers carries a ``RequestStart`` (its ``SamplingSpec``, its prompt length and, when it has
+penalties, the tokens before the chunk that the penalties count). The last stage keeps these with the
+request's mirror and forgets them with it (``StepInput.forget``); a preempted or recomputed request is
+new to the workers again, so its next first chunk carries them again. A start for a request the worker
+already holds is refused (the two sides disagree), and a request that arrives without one is greedy.
+
+Penalties need counts of the tokens a request has seen. The last stage keeps them itself, updated from
+every chunk's ``token_ids`` (which, after the first, are exactly the tokens the request sampled). The
+only tokens it cannot see are those before the first chunk, a prefix-cache hit: ``seen_token_ids``
+carries them, and only what the penalties need (the whole prefix for a repetition penalty, which counts
+prompt and output; for presence / frequency, which count output only, just the outputs inside the hit,
+which is empty unless a recomputed request hits its own generated tokens).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+MAX_LOGPROBS = 20                      # top logprobs a request may ask for (vLLM's default bound)
+GREEDY_BELOW = 1e-5                    # temperatures below this are greedy (as vLLM's sampler treats them)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How a request picks its next tokens (order of application: ``workers/sampling.py``)."""
+
+    temperature: float = 0.0             # < GREEDY_BELOW: greedy (argmax after bias and penalties)
+    top_p: float = 1.0                   # (0, 1]: the smallest set of tokens holding this much probability
+    top_k: int = 0                       # 0: off; k: the k most likely tokens
+    min_p: float = 0.0                   # [0, 1]: drop tokens below min_p x the most likely one's probability
+    presence_penalty: float = 0.0        # OpenAI: minus this once for every token generated so far
+    frequency_penalty: float = 0.0       # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0      # transformers / vLLM: over prompt and output, divide >0, multiply <0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), sorted by token id
+    logprobs: int | None = None          # None: none; k: the sampled token's raw logprob and the top k
+    seed: int | None = None              # None: the worker's batch generator; else draws keyed by (seed, position)
+
+    def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((t, b) for t, b in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}") from None
+        object.__setattr__(self, "logit_bias", bias)
+        checks = (
+            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0: off)"),
+            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("presence_penalty", _is_number(self.presence_penalty), "a finite number"),
+            ("frequency_penalty", _is_number(self.frequency_penalty), "a finite number"),
+            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             "a finite number > 0"),
+            ("logit_bias", all(is_int(t) and t >= 0 and _is_number(b) for t, b in bias)
+             and len({t for t, _ in bias}) == len(bias), "distinct token ids >= 0 with finite biases"),
+            ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
+             "None or an integer in [0, 2**64)"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+GREEDY = SamplingSpec()
+
+
+@dataclass
+class RequestStart:
+    """What the last stage keeps for a request, sent with the request's first chunk on the workers."""
+
+    sampling: SamplingSpec
+    num_prompt_tokens: int               # positions below this are prompt, the rest output (for penalties)
+    seen_token_ids: list[int] = field(default_factory=list)   # tokens just before the chunk (see module doc)
 
 
 @dataclass
@@ -21,8 +110,7 @@ class ScheduledChunk:
     start_pos: int                       # tokens already computed; these take positions start_pos..
     new_block_ids: list[list[int]]       # per KV-cache group: ids appended to the request's table (0 = null)
     sample: bool = True                  # this chunk reaches the last known token: produce the next one
-    temperature: float = 0.0             # 0 = greedy
-    seed: int = 0                        # sampling at position p is seeded by (seed, p): replays are identical
+    start: RequestStart | None = None    # the request's first chunk on the workers only (module doc)
 
 
 @dataclass
@@ -40,10 +128,8 @@ class StepOutput:
     step_id: int
     sampled: dict[str, int]              # request_id -> next token, for chunks with sample=True
     simulated_time_s: float = 0.0        # simulated workers: the step's time on the modelled GPU
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # request_id -> (raw logprob of the sampled token, top token ids, their raw logprobs), if it asked
+    logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
 
 
 def ints_in(values: list, end: int) -> bool:
@@ -83,11 +169,21 @@ def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, 
         raise ValueError(f"request {rid!r}: token_ids must be integers in [0, {vocab_size})")
     if not is_int(chunk.start_pos) or chunk.start_pos < 0:
         raise ValueError(f"request {rid!r}: start_pos must be an integer >= 0, got {chunk.start_pos!r}")
-    if isinstance(chunk.temperature, bool) or not isinstance(chunk.temperature, (int, float)) \
-            or not math.isfinite(chunk.temperature) or chunk.temperature < 0:
-        raise ValueError(f"request {rid!r}: temperature must be a finite number >= 0, got {chunk.temperature!r}")
-    if not is_int(chunk.seed):
-        raise ValueError(f"request {rid!r}: seed must be an integer, got {chunk.seed!r}")
+    start = chunk.start
+    if start is not None:
+        if not isinstance(start, RequestStart) or not isinstance(start.sampling, SamplingSpec):
+            raise ValueError(f"request {rid!r}: start must be a RequestStart holding a SamplingSpec, got {start!r}")
+        if not is_int(start.num_prompt_tokens) or start.num_prompt_tokens < 1:
+            raise ValueError(f"request {rid!r}: num_prompt_tokens must be an integer >= 1, "
+                             f"got {start.num_prompt_tokens!r}")
+        seen = start.seen_token_ids
+        if not isinstance(seen, list) or len(seen) > chunk.start_pos \
+                or not all(is_int(t) and 0 <= t < vocab_size for t in seen):
+            raise ValueError(f"request {rid!r}: seen_token_ids must be at most start_pos={chunk.start_pos} "
+                             f"token ids in [0, {vocab_size})")
+        bad = [t for t, _ in start.sampling.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: logit_bias names token ids outside [0, {vocab_size}): {bad[:8]}")
     ids = chunk.new_block_ids
     if not isinstance(ids, list) or len(ids) != num_groups or not all(isinstance(g, list) for g in ids):
         raise ValueError(f"request {rid!r}: new_block_ids must be {num_groups} lists, one per KV-cache group, "

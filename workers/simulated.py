@@ -8,8 +8,10 @@ writes must be real, no block may be written by two requests or hold two places 
 unit may lie in two blocks that live windows read, and no composite may be recomposed while one is read.
 The checks are incremental: each request's live window (the entries its last step read) is kept with
 the blocks in it, so a step costs what it changes (entries entering or leaving windows, blocks written,
-compositions), not the tables' length. It samples tokens from a hash of (seed, request seed, request id,
-position), so a replay after a fault yields the same tokens, and takes the step's time from the roofline
+compositions), not the tables' length. It keeps each request's sampling spec with its mirror, as a real
+last stage does, and samples tokens from a hash of (seed, request seed, request id, position), so a
+replay after a fault yields the same tokens; asked for logprobs, it reports those of a uniform
+distribution (its tokens are not drawn from any model's). It takes the step's time from the roofline
 cost model (optionally sleeping it, scaled, so load tests feel real).
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ from kvmanager.specs import AttentionSpec
 
 from .cost_model import StepCostModel
 from .presets import load_model
-from .protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields, check_compositions, is_int
+from .protocol import (GREEDY, SamplingSpec, ScheduledChunk, StepInput, StepOutput, check_chunk_fields,
+                       check_compositions, is_int)
 
 NULL_BLOCK_ID = 0
 
@@ -71,6 +74,7 @@ class SimulatedWorker:
         self._members: list[dict[int, tuple[int, ...]]] = [{} for _ in self.groups]   # composites' units
         self._holder: dict[int, tuple[int, int]] = {}  # unit -> (group, block) of its latest composition
         self._unit_groups = [g for g, w in enumerate(self.widths) if w == 1]   # whose blocks are units
+        self._specs: dict[str, SamplingSpec] = {}   # how each request samples (from its first chunk)
 
     @classmethod
     def for_model(cls, model: Any, gpu: Any, *, num_blocks: int, block_size: int = 16,
@@ -116,6 +120,13 @@ class SimulatedWorker:
             _rollback(undo)
             raise
         sampled = {c.request_id: self.sample(c) for c in step.chunks if c.sample}
+        logprobs = {}
+        for rid, token in sampled.items():
+            k = self._specs.get(rid, GREEDY).logprobs
+            if k is not None:
+                uniform = -math.log(self.vocab_size)
+                logprobs[rid] = (uniform, [(token + j) % self.vocab_size for j in range(min(k, self.vocab_size))],
+                                 [uniform] * min(k, self.vocab_size))
         seconds = 0.0
         if self.cost_model is not None and step.chunks:
             cost = self.cost_model.step([(c.start_pos, len(c.token_ids)) for c in step.chunks])
@@ -123,12 +134,13 @@ class SimulatedWorker:
             if self.sleep_factor:
                 own = seconds if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage)
                 time.sleep(own * self.sleep_factor)
-        return StepOutput(step_id=step.step_id, sampled=sampled, simulated_time_s=seconds)
+        return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, simulated_time_s=seconds)
 
     def sample(self, chunk: ScheduledChunk) -> int:
-        """The token after the chunk: a function of (seed, chunk seed, request id, its position) only."""
+        """The token after the chunk: a function of (seed, request seed, request id, its position) only."""
         position = chunk.start_pos + len(chunk.token_ids)
-        key = f"{self.seed}\x00{chunk.seed}\x00{chunk.request_id}\x00{position}".encode()
+        spec = chunk.start.sampling if chunk.start is not None else self._specs.get(chunk.request_id, GREEDY)
+        key = f"{self.seed}\x00{spec.seed or 0}\x00{chunk.request_id}\x00{position}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % self.vocab_size
 
     def check(self, step: StepInput) -> None:
@@ -157,6 +169,8 @@ class SimulatedWorker:
                     self._leave(g, block, undo)
             for d in (self._tables, self._computed, self._windows, self._live, self._quiet):
                 undo.append((d.__setitem__, rid, d.pop(rid)))
+            if rid in self._specs:
+                undo.append((self._specs.__setitem__, rid, self._specs.pop(rid)))
         # Windows move forward: first what leaves them, then compositions, then what enters.
         moves, seen = [], set()
         tables, computed, quiets = self._tables, self._computed, self._quiet
@@ -172,6 +186,12 @@ class SimulatedWorker:
             start = chunk.start_pos
             end = start + len(chunk.token_ids)
             known = rid in tables
+            if known and chunk.start is not None:
+                raise ValueError(f"request {rid!r}: start sent for a request this worker already holds (only a "
+                                 "request's first chunk on the workers carries one)")
+            if chunk.start is not None:
+                undo.append((_restore, self._specs, rid, self._specs.get(rid)))
+                self._specs[rid] = chunk.start.sampling
             if known:
                 if start != computed[rid]:
                     raise ValueError(f"request {rid!r}: start_pos={start} does not continue its previous steps, "

@@ -25,6 +25,7 @@ from workers.layer_kinds import LAYER_NAME, layer_specs
 from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
                                   stage_range)
 from workers.protocol import ScheduledChunk, StepInput, StepOutput, check_chunk_fields, check_compositions
+from workers.sampling import Sampler
 from workers.tiny_models import TINY_MODELS, build_tiny_model
 
 NULL_BLOCK_ID = 0
@@ -104,6 +105,7 @@ class Worker:
         self._members = {g: torch.zeros(num_blocks, k, dtype=torch.int32, device=self.device)
                          for g, k in enumerate(self.widths) if k > 1}
         self._composed: dict[int, set[int]] = {g: set() for g in self._members}   # ids the members name
+        self.sampler = Sampler(self.vocab_size, self.device) if self.stage.is_last else None
 
     @classmethod
     def from_kv_budget(cls, model: Any, *, block_size: int, kv_budget_bytes: int,
@@ -138,8 +140,9 @@ class Worker:
         if not self.stage.is_last:
             return out
         chunks = [c for c in step.chunks if c.sample]
-        return StepOutput(step_id=step.step_id, sampled=dict(zip((c.request_id for c in chunks),
-                                                                 _sample(out, chunks))))
+        tokens, logprobs = self.sampler.sample(out, chunks)
+        return StepOutput(step_id=step.step_id, sampled=dict(zip((c.request_id for c in chunks), tokens)),
+                          logprobs=logprobs)
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
@@ -147,12 +150,16 @@ class Worker:
         self._check_hidden(step, hidden_states)
         for request_id in step.forget:
             del self._tables[request_id]
+            if self.sampler:
+                self.sampler.forget(request_id)
         self._tables.update(tables)
         for g, composed in compositions.items():
             ids = torch.tensor(list(composed), dtype=torch.long)
             self._members[g][ids.to(self.device)] = torch.tensor(list(composed.values()), dtype=torch.int32,
                                                                  device=self.device)
             self._composed[g].update(composed)
+        if self.sampler:
+            self.sampler.observe(step.chunks)
         if not step.chunks:
             width = self.vocab_size if self.stage.is_last else self.stage.hidden_size
             return torch.zeros(0, width, device=self.device)
@@ -185,6 +192,9 @@ class Worker:
                 raise ValueError(f"request_id {chunk.request_id!r} appears twice in step {step.step_id}")
             check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = chunk.request_id in self._tables and chunk.request_id not in forget
+            if known and chunk.start is not None:
+                raise ValueError(f"request {chunk.request_id!r}: start sent for a request this worker already "
+                                 "holds (only a request's first chunk on the workers carries one)")
             base = self._tables[chunk.request_id] if known else [[] for _ in self.groups]
             tables[chunk.request_id] = [old + list(new) for old, new in zip(base, chunk.new_block_ids)]
             self._check_table(chunk, tables[chunk.request_id], known, compositions)
@@ -275,16 +285,3 @@ def _layer_specs(model: transformers.PreTrainedModel, block_size: int) -> list[A
     """Specs by layer index, with the dtype the model (hence its cache) actually has."""
     dtype = str(model.dtype).removeprefix("torch.")
     return list(layer_specs(model.config.get_text_config(), block_size, dtype).values())
-
-
-def _sample(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int]:
-    """Greedy at temperature 0; otherwise a draw seeded by (seed, position of the new token)."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, chunk in enumerate(chunks):
-        if chunk.temperature > 0:
-            position = chunk.start_pos + len(chunk.token_ids)
-            generator = torch.Generator(device=logits.device)
-            generator.manual_seed((chunk.seed * 0x9E3779B97F4A7C15 + position) % 2**64)
-            probs = torch.softmax(logits[i].float() / chunk.temperature, dim=-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=generator))
-    return tokens
