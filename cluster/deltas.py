@@ -46,7 +46,8 @@ def decode_step(payload: bytes) -> StepInput:
     step_id, chunks, forget, compositions = msgpack.unpackb(payload)
     return StepInput(step_id, [
         ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first))
-        for rid, tokens, start, groups, sample, first in chunks], forget, compositions)
+        for rid, tokens, start, groups, sample, first in chunks], forget,
+        [(g, block_id, tuple(units)) for g, block_id, units in compositions])
 
 
 def encode_output(out: StepOutput) -> bytes:

@@ -113,12 +113,16 @@ class Scheduler:
         # Refuse what could never fit, instead of letting it wait forever at the head of the queue: even
         # alone, its last decode step must fit (prefill chunks shrink to fit when nothing else runs).
         total = min(seq.req.num_tokens + seq.params.max_tokens, limit)
-        need = sum(max_blocks_held(s, total) * w for s, w in zip(self.manager.specs, self.manager.widths))
+        need = self._units_held(total)
         if need > self.manager.num_blocks - 1:
             raise ValueError(f"request {rid!r}: {total} tokens need up to {need} KV blocks, the pool has "
                              f"{self.manager.num_blocks - 1}; shorten the prompt or max_tokens")
         self.sequences[rid] = seq
         self.waiting.append(seq)
+
+    def _units_held(self, num_tokens: int) -> int:
+        """Pool units one request holds at most at ``num_tokens`` (a block of a width-k group is k units)."""
+        return sum(max_blocks_held(s, num_tokens) * w for s, w in zip(self.manager.specs, self.manager.widths))
 
     def _pool_token_capacity(self) -> int:
         """The most tokens one request alone can reach in the pool (largest T whose peak fits)."""
@@ -126,7 +130,7 @@ class Scheduler:
             usable, lo, hi = self.manager.num_blocks - 1, 1, self.manager.max_model_len
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if sum(max_blocks_held(s, mid) for s in self.manager.specs) <= usable:
+                if self._units_held(mid) <= usable:
                     lo = mid
                 else:
                     hi = mid - 1
