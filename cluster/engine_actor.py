@@ -8,7 +8,6 @@ the generator is closed and the request aborted.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 from .engine import WorkerFailure
@@ -25,10 +24,6 @@ class EngineService:
 
     def __init__(self, build, *build_args, **build_kwargs):
         self.engine, self.info = build(*build_args, **build_kwargs)
-        # The pool (one object per KV unit: hundreds of thousands) lives as long as this process: keep it
-        # out of the cycle collector's full passes, each of which would stall a step for all of it.
-        gc.collect()
-        gc.freeze()
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
