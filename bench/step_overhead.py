@@ -5,16 +5,16 @@ together for ``--steps`` steps on simulated H100 workers (``build_engine(..., si
 sleep_factor=0)``). Per step: ``schedule`` (scheduler + KV-cache manager), ``encode`` (the step's msgpack
 payload, as the Ray executor sends it), ``apply`` (results into the scheduler), and, worker side, ``decode``
 (the payload) and ``execute`` (the simulated worker's checks, mirrors, sampling, cost model). The engine's
-host time is schedule + encode + apply: the mean per step, and ``host_p50`` the median step. Side by side in the same run: the previous layout (one group per
-``S`` layers of a kind: 26 sliding + 5 full groups, width 1), driven by the same engine and worker code.
-Also printed: table ids and composition unit ids per step (deltas per step), and the GPU time the cost
-model gives the step, which host time must stay well below. CPU time (``time.process_time``), best round,
-garbage collection included (a full pass over a pool of millions of units shows up at 1024 requests).
-In that trace every decode adds full-attention blocks and nothing is ever freed, so every new full block
-is a new composite. ``--churn`` adds the serving steady state: requests finish and new ones arrive
-(random prompts of 512..2048 tokens, half behind a shared 512-token prefix, 16..256 output tokens) in a
-pool 1.1x what the running ones need, so the prefix cache fills and is recycled; after a warm-up, it
-prints the ids the deltas carry per step.
+host time is schedule + encode + apply: the mean per step, and ``host_p50`` the median step. Side by side
+in the same run: the previous layout (one group per ``S`` layers of a kind: 26 sliding + 5 full groups,
+width 1), driven by the same engine and worker code. Also printed: table ids and composition unit ids per
+step (deltas per step), and the GPU time the cost model gives the step, which host time must stay well
+below. CPU time (``time.process_time``), best round, garbage collection included (a full pass over a pool
+of millions of units shows up at 1024 requests). In that trace every decode adds full-attention blocks and
+nothing is ever freed, so every new full block is a new composite. ``--churn`` adds the serving steady
+state: requests finish and new ones arrive (random prompts of 512..2048 tokens, half behind a shared
+512-token prefix, 16..256 output tokens) in a pool 1.1x what the running ones need, so the prefix cache
+fills and is recycled; after a warm-up, it prints the ids the deltas carry per step.
 
     PYTHONPATH=. python bench/step_overhead.py [--requests 64 256 1024] [--steps 64] [--rounds 3]
 """
