@@ -1,8 +1,9 @@
 """Wire format of a step: msgpack, with each table delta's leading nulls sent as a count.
 
 A prefix hit on a sliding group starts a table with many null entries; sending them as one integer
-keeps a step's payload proportional to the real blocks it adds. A chunk's ``RequestStart`` (sampling
-spec, prompt length, seen tokens) is a nil on every chunk but a request's first on the workers.
+keeps a step's payload proportional to the real blocks it adds. Compositions (the units of composites made
+since the last step) travel once each, ahead of the tables. A chunk's ``RequestStart`` (sampling spec,
+prompt length, seen tokens) is a nil on every chunk but a request's first on the workers.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def encode_step(step: StepInput) -> bytes:
     """The step's bytes; ``RequestError`` naming the chunk that msgpack cannot carry (an int beyond 64 bits)."""
     chunks = [_chunk_fields(c) for c in step.chunks]
     try:
-        return msgpack.packb([step.step_id, chunks, step.forget])
+        return msgpack.packb([step.step_id, chunks, step.forget, step.compositions])
     except (OverflowError, TypeError, ValueError) as exc:
         for c, packed in zip(step.chunks, chunks):   # rare: find the culprit, chunk by chunk
             try:
@@ -56,10 +57,11 @@ def encode_step(step: StepInput) -> bytes:
 
 
 def decode_step(payload: bytes) -> StepInput:
-    step_id, chunks, forget = msgpack.unpackb(payload)
+    step_id, chunks, forget, compositions = msgpack.unpackb(payload)
     return StepInput(step_id, [
         ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first))
-        for rid, tokens, start, groups, sample, first in chunks], forget)
+        for rid, tokens, start, groups, sample, first in chunks], forget,
+        [(g, block_id, tuple(units)) for g, block_id, units in compositions])
 
 
 def encode_output(out: StepOutput) -> bytes:

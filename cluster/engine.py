@@ -50,12 +50,14 @@ class EngineMetrics:
 
 
 class Engine:
-    def __init__(self, executor, group_specs, num_blocks: int, config: EngineConfig | None = None):
+    def __init__(self, executor, group_specs, num_blocks: int, config: EngineConfig | None = None,
+                 group_widths=None):
+        """``group_widths``: pool units per block of each group (``kv_layout(...).group_widths``)."""
         self.config = config or EngineConfig()
         self.executor = executor
         self.manager = KVCacheManager(group_specs, num_blocks=num_blocks,
                                       enable_prefix_caching=self.config.enable_prefix_caching,
-                                      max_model_len=self.config.max_model_len)
+                                      max_model_len=self.config.max_model_len, widths=group_widths)
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
 
@@ -170,7 +172,7 @@ class Engine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "kv_usage": mgr.usage,
-            "kv_usage_per_group": [n / usable for n in mgr.blocks_held_per_group()],
+            "kv_usage_per_group": [n * w / usable for n, w in zip(mgr.blocks_held_per_group(), mgr.widths)],
             "prefix_queried_tokens": mgr.stats.queried_tokens,
             "prefix_hit_tokens": mgr.stats.hit_tokens,
             "prefix_hit_rate": mgr.stats.hit_rate,

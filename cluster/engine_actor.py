@@ -220,6 +220,7 @@ class EngineService:
         message = f"the engine reset after an internal error: {exc!r}"
         self._publish([SequenceUpdate(rid, [], True, "error", error=message) for rid in self._streams],
                       "engine_unavailable")
-        self.engine = Engine(engine.executor, engine.manager.specs, engine.manager.num_blocks, engine.config)
+        self.engine = Engine(engine.executor, engine.manager.specs, engine.manager.num_blocks, engine.config,
+                             group_widths=engine.manager.widths)
         self.engine.metrics = engine.metrics
         await self._restart_workers(self.engine)

@@ -109,7 +109,7 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
         engine_handle, info = start_engine_actor(build_kwargs)  # held: a named actor lives while handles do
         deploy(info, host=host, port=port, max_body_bytes=max_body_bytes)
         print(f"swakv: serving {info['model']} on http://{host}:{port}  "
-              f"({info['num_blocks']} KV blocks, {info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
+              f"({info['num_blocks']} KV units, {info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
               f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{info['model']}\", \"prompt\": \"The \", \"max_tokens\": 32}}'\n"
               + ("  dashboard: http://127.0.0.1:8265 (ray list actors, serve status)\n" if dashboard else "")

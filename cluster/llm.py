@@ -117,11 +117,13 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
     engine = Engine(executor, layout.group_specs, num_blocks,
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-                                 vocab_size=vocab_size))
+                                 vocab_size=vocab_size), group_widths=layout.group_widths)
     info = {"model": os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model,
             "model_path": model, "max_model_len": max_model_len, "num_blocks": num_blocks,
-            "num_groups": len(layout.group_specs), "block_size": block_size, "simulated_gpu": simulated_gpu,
-            "vocab_size": vocab_size, "eos_token_ids": list(eos), "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
+            "num_groups": len(layout.group_specs), "group_widths": list(layout.group_widths),
+            "block_size": block_size, "simulated_gpu": simulated_gpu,
+            "vocab_size": vocab_size, "eos_token_ids": list(eos),
+            "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
     return engine, info
 

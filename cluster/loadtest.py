@@ -397,8 +397,9 @@ def run_layout(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, sessions
     finally:
         stop_engine(handle)
     summary = summarize(result)
-    summary["engine"] = {k: info.get(k) for k in ("num_blocks", "num_groups", "block_size", "kv_memory_bytes",
-                                                   "pipeline_parallel_size", "tensor_parallel_size", "max_model_len")}
+    summary["engine"] = {k: info.get(k) for k in ("num_blocks", "num_groups", "group_widths", "block_size",
+                                                  "kv_memory_bytes", "pipeline_parallel_size",
+                                                  "tensor_parallel_size", "max_model_len")}
     summary["engine"]["stage_nodes"] = placement
     return {"summary": summary, "result": result}
 
@@ -467,7 +468,8 @@ def format_report(report: dict) -> str:
         ("prefix-cache hit rate", lambda s: _fmt(s["prefix_hit_rate"], "%")),
         ("worker restarts / recomputed requests",
          lambda s: f"{_fmt(s['worker_restarts'])} / {_fmt(s['recomputed_requests'])}"),
-        ("KV pool blocks x groups", lambda s: f"{s['engine']['num_blocks']:,} x {s['engine']['num_groups']}"),
+        ("KV pool units (units per block)",
+         lambda s: f"{s['engine']['num_blocks']:,} ({' + '.join(map(str, s['engine']['group_widths'] or []))})"),
         ("pipeline stages on nodes (0 = head)", lambda s: ", ".join(map(str, s["engine"]["stage_nodes"]))),
     ]
     width = max(len(label) for label, _ in rows)

@@ -98,10 +98,12 @@ def format_plan(p: dict) -> str:
     how = ("given" if p["kv_memory_source"] == "--kv-memory"
            else f"{p['gpu']} memory x {1 - p['activation_reserve']:.2f} - weights / (TP x PP)")
     rows = [
-        ("KV-cache groups x layers each", lambda r: f"{r['num_groups']} x {_per_stage(r['layers_per_group'])}"),
-        ("bytes per pool block", lambda r: _size(r["block_bytes"])),
-        ("pool blocks", lambda r: f"{r['num_blocks']:,}"),
-        ("blocks per request, decode", lambda r: f"{r['blocks_per_request']:,}"),
+        ("KV-cache groups (units per block)",
+         lambda r: f"{r['num_groups']} ({' + '.join(map(str, r['group_widths']))})"),
+        ("layers per pool unit", lambda r: _per_stage(r["layers_per_group"])),
+        ("bytes per pool unit", lambda r: _size(r["block_bytes"])),
+        ("pool units", lambda r: f"{r['num_blocks']:,}"),
+        ("units per request, decode", lambda r: f"{r['blocks_per_request']:,}"),
         ("KV bytes per request, decode", lambda r: _size(r["kv_bytes_per_request"])),
         ("max concurrency, decode", lambda r: f"{r['max_concurrency']:,}"),
         (f"KV bytes per request, prefill peak ({p['prefill_chunk']})",
@@ -153,7 +155,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "plan", help="KV memory and concurrency at a context length, window-aware vs sliding-as-full",
-        description="Size a deployment: KV bytes and blocks per request and the maximum concurrency at a "
+        description="Size a deployment: KV bytes and pool units per request and the maximum concurrency at a "
                     "context length, for the window-aware layout and for sliding layers treated as full.")
     p.add_argument("--model", required=True,
                    help=f"a preset ({', '.join(MODEL_PRESETS)}) or a config.json path / model directory")

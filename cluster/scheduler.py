@@ -95,8 +95,8 @@ class StepPlan:
     started: float = 0.0
 
 
-def blocks_to_finish(specs, num_tokens: int) -> int:
-    """Fewest pool blocks with which a request that ends at ``num_tokens`` tokens (prompt + max_tokens,
+def blocks_to_finish(specs, num_tokens: int, widths=None) -> int:
+    """Fewest pool units with which a request that ends at ``num_tokens`` tokens (prompt + max_tokens,
     capped at max_model_len) is sure to finish once it has the pool to itself.
 
     Its last token is sampled, never computed, so the positions computed are ``0 .. num_tokens - 2``.
@@ -109,7 +109,7 @@ def blocks_to_finish(specs, num_tokens: int) -> int:
     free until taken back); a window smaller than a block still straddles two blocks, which the peak
     counts. Look-ahead slots would widen every step by their count; this scheduler reserves none.
     """
-    return peak_blocks(specs, num_tokens - 1)
+    return peak_blocks(specs, num_tokens - 1, widths)
 
 
 class Scheduler:
@@ -143,7 +143,7 @@ class Scheduler:
             seq.params = dataclasses.replace(seq.params, max_tokens=max(room, 1))
         # Refuse what could never finish, instead of letting it wait or preempt itself forever.
         total = min(seq.req.num_tokens + seq.params.max_tokens, limit)
-        need = blocks_to_finish(self.manager.specs, total)
+        need = blocks_to_finish(self.manager.specs, total, self.manager.widths)
         if need > self.manager.num_blocks - 1:
             raise ValueError(f"request {rid!r}: {total} tokens need up to {need} KV blocks, the pool has "
                              f"{self.manager.num_blocks - 1}; shorten the prompt or max_tokens")
@@ -156,7 +156,7 @@ class Scheduler:
             usable, lo, hi = self.manager.num_blocks - 1, 1, self.manager.max_model_len
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if blocks_to_finish(self.manager.specs, mid) <= usable:
+                if blocks_to_finish(self.manager.specs, mid, self.manager.widths) <= usable:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -240,6 +240,7 @@ class Scheduler:
             forget = list(dict.fromkeys(r for r in self._forget if r in self._on_workers))
             self._on_workers.difference_update(forget)
             plan.step.forget, self._forget = forget, []
+            plan.step.compositions = self.manager.pop_compositions()
         plan.num_tokens = self.max_num_batched_tokens - budget
         return plan
 
@@ -274,7 +275,7 @@ class Scheduler:
             seq.on_workers = True
         plan.step.chunks.append(ScheduledChunk(
             request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
-            new_block_ids=[list(ids) for ids in new_block_ids], sample=start + n == req.num_tokens, start=first))
+            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens, start=first))
         plan.scheduled.append(seq)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SequenceUpdate]:
@@ -345,9 +346,10 @@ class Scheduler:
         victims = list(self.running)
         for seq in reversed(victims):
             self._preempt(seq)
-        self._forget = []  # the new workers have no mirrors to drop
+        self._forget = []  # the new workers have no mirrors to drop, and know no composite
         self._on_workers.clear()
         self.manager.reset_prefix_cache()
+        self.manager.replay_compositions()
         return len(victims)
 
     # -- internals -----------------------------------------------------------------------------

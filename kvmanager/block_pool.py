@@ -1,18 +1,27 @@
-"""One pool of KV blocks shared by every group: reference counts, an eviction queue, the prefix cache.
+"""One pool of KV units shared by every group: composites, reference counts, the prefix cache.
 
-Block 0 is the null block: it stands in tables for dropped entries and is never allocated, freed or
-cached. A block whose count reaches zero joins the free queue but keeps its hash (lazy eviction): a
-later prefix hit takes it back out, and only reuse for new content forgets its hash.
+The pool counts **units**: a unit is one block's worth of pages (``block_size`` tokens) of ``S`` layers.
+A group of width ``k`` (layers of its kind on a stage / ``S``) holds a block as a **composite** of ``k``
+units, named by its first unit's id; a width-1 group's block is a unit. Composites are sticky: a freed
+composite stays whole (and cached) and a later block of the same kind reuses it as is. Only when another
+kind needs the room is it dissolved into loose units and its content forgotten. So a table entry is one id
+whatever the number of layers, and only compositions name ``k`` units: they are recorded, in order, for
+the engine to ship to workers before any table that uses them (``pop_compositions``).
+
+Unit 0 is the null block: it stands in tables for dropped entries and is never allocated, freed or cached.
+A block whose count reaches zero joins the free queue but keeps its hash (lazy eviction): a later prefix
+hit takes it back out, and only reuse for new content forgets its hash. Which free block is reused first
+is the eviction policy, all of it in ``free_queue``.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from .free_queue import FreeQueue
 
 NULL_BLOCK_ID = 0
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared")
+    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -20,27 +29,34 @@ class Block:
         self.group = -1            # group whose cache holds it, with block_hash; -1 when not cached
         self.block_hash: bytes | None = None
         self.shared = False        # handed out by a prefix hit since it was last filled
+        self.kind = -1             # the width > 1 group it is composed for; -1: a loose unit
+        self.units: tuple[int, ...] = (block_id,)   # the units it spans, itself first
+        self.order = 0             # its place in the free queue's eviction order
 
     def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        return (f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None}"
+                + (f", kind={self.kind}, units={list(self.units)})" if self.kind >= 0 else ")"))
 
 
 class BlockPool:
-    """Free queue: an OrderedDict (C-implemented), front evicted first, O(1) removal of any block."""
+    """``num_blocks`` units (the null unit included) drawn by groups of the given ``widths``."""
 
-    def __init__(self, num_blocks: int, num_groups: int):
+    def __init__(self, num_blocks: int, num_groups: int, widths: tuple[int, ...] | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
         self.num_blocks = num_blocks
+        self.widths = tuple(widths) if widths is not None else (1,) * num_groups
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.free = FreeQueue(self.blocks[1:], self.widths)
         # Per group: block hash -> {block_id: block}. Two blocks may hold equal content.
         self._cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in range(num_groups)]
+        self._compositions: list[tuple[int, int, tuple[int, ...]]] = []
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Free units (cached ones waiting in the queue included)."""
+        return self.free.num_free_units
 
     def is_cached(self, group: int, block_hash: bytes) -> bool:
         return block_hash in self._cached[group]
@@ -49,20 +65,42 @@ class BlockPool:
         blocks = self._cached[group].get(block_hash)
         return next(iter(blocks.values())) if blocks else None
 
-    def take(self, n: int) -> list[Block]:
-        """``n`` blocks from the front of the free queue, each forgetting what it cached."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, {len(self._free)} free")  # callers check first
-        popitem = self._free.popitem
+    def take(self, n: int, group: int) -> list[Block]:
+        """``n`` blocks for ``group``, each forgetting what it cached (callers checked the units suffice)."""
+        width = self.widths[group]
+        if n * width > self.free.num_free_units:
+            raise RuntimeError(f"asked for {n} blocks of {width} units, {self.free.num_free_units} units free")
         out = []
         for _ in range(n):
-            block = popitem(last=False)[1]
-            if block.block_hash is not None:
-                self._uncache(block)
+            entries = self.free.take(group)
+            first = entries[0]
+            if len(entries) == 1 and (first.kind == group or (width == 1 and first.kind < 0)):
+                block = first          # a same-kind composite (or a loose unit for a width-1 group) as is
+                if block.block_hash is not None:
+                    self._uncache(block)
+            else:
+                block = self._compose(entries, group, width)
             block.ref_cnt = 1
             block.shared = False
             out.append(block)
         return out
+
+    def _compose(self, entries: list[Block], group: int, width: int) -> Block:
+        """A block of ``width`` units from the entries' units (in order); the rest go back as loose units."""
+        units: list[int] = []
+        for entry in entries:
+            if entry.block_hash is not None:
+                self._uncache(entry)
+            units.extend(entry.units)
+            if entry.kind >= 0:          # dissolved: every unit is loose again
+                entry.kind, entry.units = -1, (entry.block_id,)
+        blocks = self.blocks
+        self.free.add_leftover([blocks[u] for u in units[width:]])
+        head = blocks[units[0]]
+        if width > 1:
+            head.kind, head.units = group, tuple(units[:width])
+            self._compositions.append((group, head.block_id, head.units))
+        return head
 
     def touch(self, blocks) -> int:
         """Take references on prefix-hit blocks, pulling free ones out of the queue; how many were free."""
@@ -71,25 +109,26 @@ class BlockPool:
             if block.block_id == NULL_BLOCK_ID:
                 continue
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                self.free.remove(block)
                 revived += 1
             block.ref_cnt += 1
             block.shared = True
         return revived
 
-    def release(self, blocks, evict_first: bool = False) -> int:
-        """Drop references; blocks no one holds join the free queue at the back, or the front.
-        Returns how many became free."""
-        free = self._free
-        freed = 0
+    def release(self, blocks, dropped: bool = False) -> int:
+        """Drop references (``dropped``: a running request's window moved past them; else its whole table,
+        in table order). The free queue places those no one holds; returns how many became free."""
+        freed = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                free[block.block_id] = block
-                freed += 1
-                if evict_first:
-                    free.move_to_end(block.block_id, last=False)
-        return freed
+                freed.append(block)
+        if dropped:
+            for block in freed:
+                self.free.add_dropped(block)
+        elif freed:
+            self.free.add_released(freed)
+        return len(freed)
 
     def cache(self, block: Block, group: int, block_hash: bytes) -> None:
         block.group = group
@@ -113,3 +152,13 @@ class BlockPool:
             block.group, block.block_hash, block.shared = -1, None, False
         for cache in self._cached:
             cache.clear()
+
+    # -- compositions, for the workers ---------------------------------------------------------
+    def pop_compositions(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        out, self._compositions = self._compositions, []
+        return out
+
+    def replay_compositions(self) -> None:
+        """Queue every composite that exists now as pending (restarted workers know none of them)."""
+        self._compositions = [(b.kind, b.block_id, b.units) for b in self.blocks
+                              if b.kind >= 0 and b.units[0] == b.block_id]

@@ -1,4 +1,4 @@
-"""Several KV-cache groups drawing from one pool: one hit length all agree on, one capacity check."""
+"""Several KV-cache groups drawing from one pool: one hit length all agree on, one capacity check (in units)."""
 from __future__ import annotations
 
 from math import lcm
@@ -13,7 +13,7 @@ class GroupCoordinator:
     def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
         self.pool = pool
         # Groups that drop nothing have downward-closed hits: asking them first caps the others' search.
-        self.groups = [KVCacheGroup(i, s, pool, enable_caching) for i, s in enumerate(specs)]
+        self.groups = [KVCacheGroup(i, s, pool, enable_caching, w) for i, (s, w) in enumerate(zip(specs, pool.widths))]
         self._search_order = sorted(self.groups, key=lambda g: g.drops)
         self._dropping = [g for g in self.groups if g.drops]
         self.alignment = lcm(*(s.block_size for s in specs))
@@ -62,10 +62,11 @@ class GroupCoordinator:
         new = [g.num_new_blocks(rid, num_slots, len(h)) for g, h in zip(groups, hit)]
         has_hit = hit is not self.no_hit and any(hit)
         if has_hit or any(new):
-            need = sum(new) - self.pool.num_free_blocks
-            for g, blocks in zip(groups, hit):
-                need -= g.num_freed_by_drop(rid, num_computed)
-                need += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+            need = -self.pool.num_free_blocks          # in pool units: a block of a width-k group is k
+            for g, blocks, n in zip(groups, hit, new):
+                freed = g.num_freed_by_drop(rid, num_computed)
+                revived = sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+                need += (n - freed + revived) * g.width
             if need > 0:
                 return None
             if has_hit:

@@ -1,8 +1,9 @@
-"""One KV-cache group: the block tables of every request for layers that share one attention spec.
+"""One KV-cache group: the block tables of every request for every layer of one attention kind.
 
 The spec's rule (``first_needed_token``) decides what to drop and which cached blocks a hit needs;
 this class keeps the tables consistent with it. Dropped entries become the null block, so a table
 always has the length full attention would have and a worker's append-only mirror stays valid.
+A block of a group of ``width`` k is a composite of k pool units (``block_pool``): one id per entry.
 """
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from .specs import NEVER, AttentionSpec
 
 
 class KVCacheGroup:
-    def __init__(self, group_id: int, spec: AttentionSpec, pool: BlockPool, enable_caching: bool):
+    def __init__(self, group_id: int, spec: AttentionSpec, pool: BlockPool, enable_caching: bool, width: int = 1):
         self.group_id = group_id
         self.spec = spec
+        self.width = width          # pool units per block
         self.block_size = spec.block_size
         self.pool = pool
         self.enable_caching = enable_caching
@@ -67,11 +69,7 @@ class KVCacheGroup:
         dropped = table[span.start:span.stop]
         table[span.start:span.stop] = [self.pool.null_block] * len(span)
         self._num_dropped[request_id] = span.stop
-        # A block shared through a prefix hit has proven useful to others: keep it in LRU order.
-        # Blocks only this request ever used are the least likely to be hit again: evict them first,
-        # so that finished requests' trailing windows survive longer.
-        self.num_held -= self.pool.release([b for b in dropped if not b.shared], evict_first=True)
-        self.num_held -= self.pool.release([b for b in dropped if b.shared])
+        self.num_held -= self.pool.release(dropped, dropped=True)   # the free queue decides where they wait
 
     # -- allocation ----------------------------------------------------------------------------
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
@@ -97,7 +95,7 @@ class KVCacheGroup:
             self._num_dropped[rid] = next((i for i, b in enumerate(hit) if b is not null), len(hit))
         added: list[int] = []
         if hit or num_new:
-            blocks = hit + self.pool.take(num_new) if num_new else hit
+            blocks = hit + self.pool.take(num_new, self.group_id) if num_new else hit
             self.num_held += num_new
             table.extend(blocks)
             added = [b.block_id for b in blocks]
@@ -128,12 +126,12 @@ class KVCacheGroup:
         return len(self.tables[rid]) * bs, cache_at, drop_at
 
     def free(self, request_id: str) -> None:
-        """Release a request's blocks, tail first, so the head of a shared prefix is evicted last."""
+        """Release a request's blocks (the free queue decides their eviction order)."""
         table = self.tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)
-        self._num_dropped.pop(request_id, None)
+        dropped = self._num_dropped.pop(request_id, 0)
         if table:
-            self.num_held -= self.pool.release([b for b in reversed(table) if b.block_id != NULL_BLOCK_ID])
+            self.num_held -= self.pool.release([b for b in table[dropped:] if b.block_id != NULL_BLOCK_ID])
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables[request_id]]

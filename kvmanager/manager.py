@@ -33,10 +33,14 @@ class KVCacheManager:
     """Block tables for every running request, one per KV-cache group, all from one pool.
 
     ``groups``: one attention spec per group, e.g. ``[FullAttention(16), SlidingWindow(16, window=4096)]``.
+    ``num_blocks``: pool units (the null unit included). ``widths``: units per block of each group (default
+    1 each), e.g. the layers of each kind on a stage over ``S`` (``planning.kv_layout``, ``from_layout``):
+    a block of a width-k group is a composite of k units; workers learn its units from
+    ``pop_compositions()``, before any table that uses it.
     """
 
     def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,
-                 max_model_len: int = 1 << 20):
+                 max_model_len: int = 1 << 20, *, widths=None):
         groups = list(groups)
         if not groups:
             raise ValueError("at least one KV-cache group spec is needed")
@@ -47,14 +51,27 @@ class KVCacheManager:
         _check_count("max_model_len", max_model_len)
         if max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
+        widths = (1,) * len(groups) if widths is None else tuple(widths)
+        if len(widths) != len(groups) or any(type(w) is not int or w < 1 for w in widths):  # noqa: E721
+            raise ValueError(f"widths must hold one integer >= 1 per group ({len(groups)}), got {widths!r}")
+        if isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and max(widths) > num_blocks - 1:
+            raise ValueError(f"num_blocks={num_blocks} cannot hold one block of {max(widths)} units "
+                             f"(unit 0 is the null block)")
         self.specs = tuple(groups)
+        self.widths = widths
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.pool = BlockPool(num_blocks, len(groups))
+        self.pool = BlockPool(num_blocks, len(groups), widths)
         self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
         self._no_hit = self.coordinator.no_hit
         self.stats = CacheStats()
         self._running: dict[str, Request] = {}
+
+    @classmethod
+    def from_layout(cls, layout, num_blocks: int, enable_prefix_caching: bool = True,
+                    max_model_len: int = 1 << 20) -> "KVCacheManager":
+        """A manager for ``planning.kv_layout(...)``: one group per attention kind, its width in units."""
+        return cls(layout.group_specs, num_blocks, enable_prefix_caching, max_model_len, widths=layout.group_widths)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -63,16 +80,27 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Free pool units (cached ones waiting in the free queue included)."""
         return self.pool.num_free_blocks
 
     @property
     def usage(self) -> float:
-        """Fraction of allocatable blocks in use (cached blocks waiting in the free queue are free)."""
+        """Fraction of allocatable units in use (cached blocks waiting in the free queue are free)."""
         return 1.0 - self.pool.num_free_blocks / (self.pool.num_blocks - 1)
 
     def blocks_held_per_group(self) -> list[int]:
-        """Distinct real blocks each group's tables hold now (kept as blocks move: /metrics polls it)."""
+        """Distinct real blocks each group's tables hold now (kept as blocks move: /metrics polls it).
+        Each takes its group's width in pool units."""
         return [g.num_held for g in self.coordinator.groups]
+
+    def pop_compositions(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Composites made since the last call, in order: ``(group, block_id, units)``. Workers must apply
+        them before the step whose tables use them (a later entry for the same id replaces an earlier)."""
+        return self.pool.pop_compositions()
+
+    def replay_compositions(self) -> None:
+        """After a worker restart: the next ``pop_compositions`` lists every composite that exists."""
+        self.pool.replay_compositions()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         if request_id not in self._running:
@@ -113,7 +141,8 @@ class KVCacheManager:
         Returns the block ids appended to each group's table (a hit's nulls included), or ``None`` when
         the pool cannot hold it; then nothing has changed, not even the drop.
         """
-        self._check_request(request)
+        if type(request) is not Request or request.finished:  # noqa: E721 (the per-step path, checked cheaply)
+            self._check_request(request)
         rid = request.request_id
         if not (type(num_new_tokens) is int and type(num_new_computed_tokens) is int  # noqa: E721 (no bools)
                 and type(num_lookahead_tokens) is int
@@ -124,16 +153,19 @@ class KVCacheManager:
         running = self._running.get(rid)
         if running is not None and running is not request:
             raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")
-        hit = self._check_hit(request, running is not None, num_new_computed_tokens, new_computed_blocks)
+        hit = self._no_hit
+        if num_new_computed_tokens or new_computed_blocks:
+            hit = self._check_hit(request, running is not None, num_new_computed_tokens, new_computed_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
-        if num_tokens > self.max_model_len:
-            raise ValueError(f"request {rid!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        limit = self.max_model_len
+        if num_tokens > limit:
+            raise ValueError(f"request {rid!r}: {num_tokens} tokens exceed max_model_len={limit}")
         # Look-ahead slots past max_model_len could never be used: reserve up to the limit only.
-        num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
-
-        new = self.coordinator.allocate(request, num_computed, num_slots, num_tokens, hit)
-        if new is not None:
+        num_slots = num_tokens + num_lookahead_tokens
+        new = self.coordinator.allocate(request, num_computed, num_slots if num_slots < limit else limit,
+                                        num_tokens, hit)
+        if new is not None and running is None:
             self._running[rid] = request
         return new
 

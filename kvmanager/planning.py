@@ -1,11 +1,12 @@
 """Planning: from layer specs and a memory budget to KV-cache groups, pool size and concurrency.
 
 Memory layout without padding. Layers of one kind may outnumber another's (gemma-3-27b: 52 sliding,
-10 full). A pool block must be usable by any group, so every group spans the same number of layers
-``S``: the gcd of the per-kind layer counts of a stage. Each kind is split into ``count / S`` groups
-that share the attention spec and differ only in their block ids. A stage allocates ``S`` K/V
-tensors of ``num_blocks`` pages each; the layer at slot ``t`` of any group reads and writes tensor
-``t`` at its group's block ids. Every byte is used by whichever group holds the block; nothing is padded.
+10 full). The pool counts units; a unit is ``S`` layers' pages for one block of tokens, ``S`` the gcd of
+the per-kind layer counts of a stage, so a unit fits any kind. Each kind is one KV-cache group (one
+table per request) of width ``k = count / S``: its block is a composite of ``k`` units. A stage allocates
+``S`` K/V tensors of ``num_blocks`` pages each; the layer of member ``u`` and slot ``t`` of a group (its
+``u * S + t``-th layer of that kind) reads and writes tensor ``t`` at unit ``u`` of its block. Every byte
+is used by whichever group holds the unit; nothing is padded.
 """
 from __future__ import annotations
 
@@ -19,31 +20,33 @@ from .specs import AttentionSpec, FullAttention
 
 @dataclass(frozen=True)
 class StageLayout:
-    """One pipeline stage: which group and tensor slot each of its layers uses."""
+    """One pipeline stage: which group, member unit and tensor slot each of its layers uses."""
 
     layers: tuple[str, ...]
-    layer_slots: dict           # layer name -> (group index, slot)
-    layers_per_group: int       # S: K/V tensors this stage allocates
-    block_bytes: int            # one pool block on this stage: S layers' pages
+    layer_slots: dict           # layer name -> (group index, member unit, slot)
+    layers_per_group: int       # S: layers per unit, the K/V tensors this stage allocates
+    block_bytes: int            # one pool unit on this stage: S layers' pages
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    group_specs: tuple[AttentionSpec, ...]   # one per KV-cache group, as the manager takes them
+    group_specs: tuple[AttentionSpec, ...]   # one per attention kind, as the manager takes them
+    group_widths: tuple[int, ...]            # pool units per block of each group (the same on every stage)
     stages: tuple[StageLayout, ...]
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one pool block costs on the most loaded stage (every stage holds num_blocks of them)."""
+        """Bytes one pool unit costs on the most loaded stage (every stage holds num_blocks of them)."""
         return max(s.block_bytes for s in self.stages)
 
     def num_blocks(self, kv_memory_bytes: int) -> int:
-        """Pool blocks that fit the per-device budget, the null block included."""
+        """Pool units that fit the per-device budget, the null unit included."""
         return kv_memory_bytes // self.block_bytes
 
     def blocks_per_request(self, context_len: int, num_new_tokens: int = 1) -> int:
-        """Pool blocks one request holds at most while computing ``num_new_tokens`` within ``context_len``."""
-        return sum(max_blocks_held(s, context_len, num_new_tokens) for s in self.group_specs)
+        """Pool units one request holds at most while computing ``num_new_tokens`` within ``context_len``."""
+        return sum(max_blocks_held(s, context_len, num_new_tokens) * w
+                   for s, w in zip(self.group_specs, self.group_widths))
 
     def kv_bytes_per_request(self, context_len: int, num_new_tokens: int = 1) -> int:
         return self.blocks_per_request(context_len, num_new_tokens) * self.block_bytes
@@ -74,9 +77,10 @@ def _probe_points(spec: AttentionSpec, context_len: int):
         yield chunk - 1
 
 
-def peak_blocks(specs, num_positions: int) -> int:
-    """Most real blocks one request holds, all groups together, while positions ``0 .. num_positions - 1``
-    are computed one per step: the max over ``c`` of the blocks covering ``first_needed_token(c) .. c``.
+def peak_blocks(specs, num_positions: int, widths=None) -> int:
+    """Most pool units one request holds, all groups together, while positions ``0 .. num_positions - 1``
+    are computed one per step: the max over ``c`` of the blocks covering ``first_needed_token(c) .. c``,
+    each weighted by its group's width (units per block; 1 by default).
 
     Exact without scanning every ``c``: with ``P`` the lcm of the block sizes and chunk sizes, each
     group holds at least as much at ``c + P`` as at ``c`` (full attention grows, a sliding window is
@@ -95,7 +99,9 @@ def peak_blocks(specs, num_positions: int) -> int:
             if drop - 1 >= low:
                 candidates.add(drop - 1)
             k = max(k + 1, s.first_needed_token(drop) // b + 1)   # the next block whose start drops something
-    return max(sum(c // s.block_size - s.first_needed_token(c) // s.block_size + 1 for s in specs)
+    widths = widths or [1] * len(specs)
+    return max(sum(w * (c // s.block_size - s.first_needed_token(c) // s.block_size + 1)
+                   for s, w in zip(specs, widths))
                for c in candidates)
 
 
@@ -137,7 +143,7 @@ def _spec_name(spec: AttentionSpec) -> str:
 
 
 def kv_layout(layer_specs: dict, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1) -> KVLayout:
-    """Groups and per-stage slots for ``layer_specs`` (layer name -> spec, in model order).
+    """Groups (one per kind, with widths) and per-stage slots for ``layer_specs`` (name -> spec, model order).
 
     Raises ``ValueError`` naming the stages and their kinds when stages hold different mixes: one
     manager serves every stage, so every stage must hold the same groups.
@@ -160,21 +166,20 @@ def kv_layout(layer_specs: dict, pipeline_parallel_size: int = 1, tensor_paralle
         raise ValueError("pipeline stages hold different mixes of layer kinds, but one KV-cache manager "
                          f"serves them all; choose another pipeline_parallel_size. {detail}")
     kinds = list(ratios[0])                      # model order of first appearance
-    group_specs = tuple(s for s in kinds for _ in range(ratios[0][s]))
-    first_group = {s: sum(ratios[0][k] for k in kinds[:i]) for i, s in enumerate(kinds)}
+    group = {s: i for i, s in enumerate(kinds)}
     stages = []
     for names, counts in zip(stage_names, stage_counts):
-        per_group = counts[kinds[0]] // ratios[0][kinds[0]]
+        per_unit = counts[kinds[0]] // ratios[0][kinds[0]]
         seen: Counter = Counter()
         slots = {}
         for name in names:
             spec = specs[name]
             k = seen[spec]
             seen[spec] += 1
-            slots[name] = (first_group[spec] + k // per_group, k % per_group)
+            slots[name] = (group[spec], k // per_unit, k % per_unit)
         page = max(s.page_size_bytes for s in counts)
-        stages.append(StageLayout(tuple(names), slots, per_group, per_group * page))
-    return KVLayout(group_specs, tuple(stages))
+        stages.append(StageLayout(tuple(names), slots, per_unit, per_unit * page))
+    return KVLayout(tuple(kinds), tuple(ratios[0][s] for s in kinds), tuple(stages))
 
 
 def as_full_attention(layer_specs: dict) -> dict:
@@ -198,6 +203,7 @@ def capacity_report(layer_specs: dict, kv_memory_bytes: int, context_len: int, *
         chunk = min(prefill_chunk, context_len)
         out[label] = {
             "num_groups": len(layout.group_specs),
+            "group_widths": list(layout.group_widths),
             "layers_per_group": [s.layers_per_group for s in layout.stages],
             "block_bytes": layout.block_bytes,
             "num_blocks": layout.num_blocks(kv_memory_bytes),

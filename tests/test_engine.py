@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from cluster.engine import WorkerFailure
 from cluster.llm import LLM, build_engine
 from cluster.scheduler import SamplingParams
 from workers.tiny_models import build_tiny_model
@@ -28,7 +29,8 @@ PROMPTS = [[(7 * i + j) % 256 for j in range(20 + 3 * i)] for i in range(5)] + [
 
 
 def test_llm_matches_transformers_through_chunked_prefill_hits_and_preemption():
-    # 40 blocks of 4 tokens cannot hold six requests of ~40 tokens in 4 groups: some are preempted.
+    # 40 units of 4 tokens cannot hold six requests of ~40 tokens (sliding blocks take 3 units, full 1):
+    # some are preempted.
     llm = LLM("tiny-gemma3", block_size=4, num_blocks=40, max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS, max_tokens=12)
     for prompt, out in zip(PROMPTS, outs):
@@ -68,8 +70,8 @@ def test_bad_requests_are_refused_and_nothing_is_queued():
         engine.add_request("a", [1, 2, 256])
     with pytest.raises(ValueError, match="leaves no room"):
         engine.add_request("b", list(range(256)))
-    # 64 blocks of 4 tokens, 4 groups: 100 + 150 = 250 tokens need ceil(250/4) = 63 full-attention blocks
-    # + 3 sliding groups x (ceil((8-1)/4) + 1 = 3) = 72 > 63 allocatable (block 0 is the null block)
+    # 64 units of 4 tokens: 100 + 150 = 250 tokens need ceil(250/4) = 63 full-attention blocks (1 unit)
+    # + (ceil((8-1)/4) + 1 = 3) sliding blocks of 3 units = 72 > 63 allocatable (unit 0 is the null block)
     with pytest.raises(ValueError, match="250 tokens need up to 72 KV blocks, the pool has 63"):
         engine.add_request("c", [1] * 100, SamplingParams(max_tokens=150))
     with pytest.raises(ValueError, match="max_tokens must be"):
@@ -78,6 +80,36 @@ def test_bad_requests_are_refused_and_nothing_is_queued():
     with pytest.raises(ValueError, match="duplicate request id 'e'"):
         engine.add_request("e", [1, 2, 3])
     assert [s.request_id for s in engine.scheduler.waiting] == ["e"]
+
+
+def test_a_lost_worker_is_rebuilt_and_told_every_composite_again():
+    # tiny-gemma3: a sliding block is a composite of 3 units; rebuilt workers know none of them, so the
+    # first step after the restart carries every composite of the pool.
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10))
+    executor, steps, sent = engine.executor, [], []
+    real_execute = executor.execute
+
+    def execute(step):             # the real workers, lost once at the sixth step
+        steps.append(step)
+        if len(steps) == 6:
+            executor.workers = []
+            raise WorkerFailure("lost")
+        if len(steps) == 7:
+            sent.append({b.block_id: b.units for b in engine.manager.pool.blocks
+                         if b.kind == 0 and b.units[0] == b.block_id})
+        return real_execute(step)
+
+    executor.execute = execute
+    tokens = {f"r{i}": [] for i in range(3)}
+    while engine.has_work():
+        for u in engine.step():
+            tokens[u.request_id] += u.new_token_ids
+    assert engine.stats()["worker_restarts"] == 1
+    assert tokens == {f"r{i}": reference("tiny-gemma3", tuple(p), 10) for i, p in enumerate(PROMPTS[:3])}
+    replayed = {block: tuple(units) for g, block, units in steps[6].compositions}
+    assert sent[0] and all(replayed[b] == units for b, units in sent[0].items())
 
 
 def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):

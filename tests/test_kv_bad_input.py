@@ -12,7 +12,7 @@ def snapshot(mgr, *requests):
     """Everything an error must leave alone: free queue (in order), every block's count and cache entry,
     every table, the stats, and the requests' own counters."""
     pool = mgr.pool
-    return (list(pool._free),
+    return (pool.free.ids(),
             [(b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
             [{rid: [b.block_id for b in t] for rid, t in g.tables.items()} for g in mgr.coordinator.groups],
             (mgr.stats.lookups, mgr.stats.queried_tokens, mgr.stats.hit_tokens, mgr.stats.preemptions),
@@ -82,6 +82,18 @@ def test_manager_construction_refuses_bad_groups_pool_and_max_model_len():
     for m in (0, -1, 2.5):
         with pytest.raises(ValueError, match="max_model_len"):
             KVCacheManager([FullAttention(block_size=2)], num_blocks=8, max_model_len=m)
+
+
+@pytest.mark.parametrize("widths, match", [
+    ((1,), r"one integer >= 1 per group \(2\)"), ((1, 0), "integer >= 1"), ((1, True), "integer >= 1"),
+    ((1, 2.0), "integer >= 1"), ((1, 8), r"num_blocks=8 cannot hold one block of 8 units"),
+])
+def test_manager_construction_refuses_bad_widths(widths, match):
+    with pytest.raises(ValueError, match=match):
+        KVCacheManager([FullAttention(block_size=2), SlidingWindow(block_size=2, window=4)], num_blocks=8,
+                       widths=widths)
+    # seven units hold one block of 7
+    assert KVCacheManager([FullAttention(block_size=2)], num_blocks=8, widths=(7,)).num_free_blocks == 7
 
 
 # ---------------------------------------------------------------------------------------------------------

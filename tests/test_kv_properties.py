@@ -21,6 +21,7 @@ SPEC = st.one_of(
     st.builds(ChunkedLocalAttention, block_size=BLOCK_SIZES, chunk_size=st.integers(1, 9)),
 )
 SPECS = st.lists(SPEC, min_size=1, max_size=3)
+WIDTHS = st.lists(st.integers(1, 3), min_size=3, max_size=3)    # pool units per block, per group
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def test_coordinator_find_hit_equals_oracle_on_real_cached_blocks(specs, length,
         ids = {}
         for j, c in enumerate(pattern):
             if c:                                 # fill a block, enter it into the group's cache, free it
-                (blk,) = pool.take(1)
+                (blk,) = pool.take(1, g)
                 pool.cache(blk, g, hashes[j])
                 pool.release([blk])
                 ids[j] = blk.block_id
@@ -134,7 +135,8 @@ def test_manager_get_computed_blocks_equals_oracle_after_real_eviction(specs, le
     pool = mgr.pool
     for bid in evict:                                   # to the front of the free queue ...
         pool.touch([pool.blocks[bid]])
-        pool.release([pool.blocks[bid]], evict_first=True)
+        pool.blocks[bid].shared = False                 # as if its only holder dropped it: to the front
+        pool.release([pool.blocks[bid]], dropped=True)
     if evict:                                           # ... where a new request's allocation takes them
         filler = Request("filler", [99] * (len(evict) * 4))
         assert mgr.allocate_slots(filler, filler.num_tokens) is not None
@@ -156,7 +158,7 @@ TEMPLATES = [[(k * 7 + i * 3) % 5 for i in range(MAX_LEN)] for k in range(3)]
 
 def snapshot(mgr):
     pool = mgr.pool
-    return (list(pool._free), [(b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
+    return (pool.free.ids(), [(b.ref_cnt, b.block_hash, b.group, b.kind, b.units) for b in pool.blocks],
             [{rid: [b.block_id for b in t] for rid, t in g.tables.items()} for g in mgr.coordinator.groups])
 
 
@@ -165,10 +167,12 @@ class KVMachine(RuleBasedStateMachine):
         super().__init__()
         self.mgr = None
 
-    @initialize(specs=SPECS, num_blocks=st.integers(12, 40))
-    def setup(self, specs, num_blocks):
+    @initialize(specs=SPECS, widths=WIDTHS, num_blocks=st.integers(12, 40))
+    def setup(self, specs, widths, num_blocks):
         self.specs = specs
-        self.mgr = KVCacheManager(specs, num_blocks=num_blocks, max_model_len=MAX_LEN)
+        self.widths = tuple(widths[:len(specs)])
+        self.mgr = KVCacheManager(specs, num_blocks=num_blocks, max_model_len=MAX_LEN, widths=self.widths)
+        self.members = [{} for _ in specs]   # what workers know: (group) block id -> units, from compositions
         self.align = lcm(*(s.block_size for s in specs))
         self.count = 0
         self.running = {}     # rid -> Request
@@ -190,6 +194,9 @@ class KVMachine(RuleBasedStateMachine):
         if out is None:
             assert snapshot(mgr) == before
             return False
+        for g, block_id, units in mgr.pop_compositions():
+            assert self.widths[g] > 1 and len(units) == self.widths[g] and units[0] == block_id
+            self.members[g][block_id] = units
         for g, ids in enumerate(out):
             n_hit = len(hit[g]) if hit else 0
             if hit:
@@ -294,19 +301,31 @@ class KVMachine(RuleBasedStateMachine):
         for rid in self.running:
             for table in mgr.get_block_ids(rid):
                 held.update(b for b in table if b != NULL_BLOCK_ID)
-        free = list(pool._free)
+        free = pool.free.ids()
         assert len(free) == len(set(free)) and NULL_BLOCK_ID not in free
         free = set(free)
         for bid in range(1, mgr.num_blocks):
             ref = pool.blocks[bid].ref_cnt
             assert ref == held[bid], (bid, ref, held[bid])
-            assert (bid in free) == (ref == 0), (bid, ref)
-        assert mgr.num_free_blocks == mgr.num_blocks - 1 - len(held)
+            assert not (ref and bid in free), (bid, ref)     # unheld units are free or inside held composites
         per_group = [set() for _ in self.specs]
         for rid in self.running:
             for g, table in enumerate(mgr.get_block_ids(rid)):
                 per_group[g].update(b for b in table if b != NULL_BLOCK_ID)
         assert mgr.blocks_held_per_group() == [len(ids) for ids in per_group]
+        # Every unit lies in exactly one place: a held block (as the workers were told) or a free entry.
+        where = Counter()
+        for g, ids in enumerate(per_group):
+            for bid in ids:
+                units = self.members[g][bid] if self.widths[g] > 1 else (bid,)
+                assert pool.blocks[bid].units == units
+                where.update(units)
+        for entry in pool.free.entries():
+            assert entry.ref_cnt == 0
+            where.update(entry.units)
+        assert sorted(where) == list(range(1, mgr.num_blocks)) and set(where.values()) == {1}
+        held_units = sum(len(ids) * w for ids, w in zip(per_group, self.widths))
+        assert mgr.num_free_blocks == mgr.num_blocks - 1 - held_units
         for rid in self.waiting:
             assert rid not in self.running
 

@@ -113,15 +113,24 @@ def test_gemma3_memory_figure_at_32k():
 
 
 def test_groups_follow_first_appearance():
-    # gpt-oss-20b: 12 sliding + 12 full layers -> one group of each, 12 layers wide, sliding first
+    # gpt-oss-20b: 12 sliding + 12 full layers -> one group of each, one unit (of S = 12 layers) wide,
+    # sliding first; layer slots are (group, member unit, tensor slot)
     layout = kv_layout(layer_specs(GPT_OSS_20B, 16))
     assert layout.group_specs == (SlidingWindow(16, 8, 64, "float32", window=128), FullAttention(16, 8, 64, "float32"))
+    assert layout.group_widths == (1, 1) and layout.stages[0].layers_per_group == 12
     assert [layout.stages[0].layer_slots[f"model.layers.{i}.self_attn"] for i in range(4)] == \
-        [(0, 0), (1, 0), (0, 1), (1, 1)]
-    # llama-4-scout: 36 chunked + 12 full -> S = 12: three chunked groups, then one full group
+        [(0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1)]
+    # llama-4-scout: 36 chunked + 12 full -> S = 12: one chunked group 3 units wide, then one full group
     layout = kv_layout(layer_specs(LLAMA_4_SCOUT, 16))
-    assert layout.group_specs == (ChunkedLocalAttention(16, 8, 128, "bfloat16", chunk_size=8192),) * 3 + \
-        (FullAttention(16, 8, 128, "bfloat16"),)
+    assert layout.group_specs == (ChunkedLocalAttention(16, 8, 128, "bfloat16", chunk_size=8192),
+                                  FullAttention(16, 8, 128, "bfloat16"))
+    assert layout.group_widths == (3, 1)
+    # gemma-3-27b: 52 sliding + 10 full -> S = 2; sliding 26 units wide, full 5. Its k-th sliding layer
+    # is member k // 2, slot k % 2: layers 0-4 sliding (k = 0..4), layer 5 full (k = 0), layer 6 sliding (k = 5).
+    layout = kv_layout(layer_specs(GEMMA_3_27B, 16))
+    assert layout.group_widths == (26, 5) and layout.stages[0].layers_per_group == 2
+    assert [layout.stages[0].layer_slots[f"model.layers.{i}.self_attn"] for i in range(7)] == \
+        [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (0, 2, 0), (1, 0, 0), (0, 2, 1)]
     layout = kv_layout(layer_specs({**GEMMA_2_9B, "layer_types": ["full_attention", "sliding_attention"] * 21}, 16))
     assert [g.kind for g in layout.group_specs] == ["full", "sliding"]
 

@@ -282,11 +282,12 @@ def test_a_run_is_deterministic_for_its_seed(runs):
 def test_both_layouts_get_the_same_kv_bytes(runs):
     # gemma-3-27b, PP=2: 31 layers per stage (26 sliding + 5 full), 16 KV heads x 128 x bf16, K and V.
     # One layer's 16-token page: 2 x 16 x 128 x 2 B x 16 = 131,072 B. 4 GiB per device:
-    #   window-aware: gcd(26, 5) = 1 layer per group, 31 groups, a block is one page: 4 GiB / 131,072 = 32,768
-    #   sliding-as-full: one group of 31 layers, a block is 31 pages: 4 GiB / 4,063,232 = 1,057
+    #   window-aware: gcd(26, 5) = 1 layer per unit, a unit is one page: 4 GiB / 131,072 = 32,768 units;
+    #     one group per kind, a sliding block 26 units wide and a full one 5
+    #   sliding-as-full: one group of 31 layers, a unit is 31 pages: 4 GiB / 4,063,232 = 1,057
     wa, full = runs["plain"]["summary"]["engine"], runs["full"]["summary"]["engine"]
-    assert (wa["num_blocks"], wa["num_groups"]) == (32768, 31)
-    assert (full["num_blocks"], full["num_groups"]) == (1057, 1)
+    assert (wa["num_blocks"], wa["num_groups"], wa["group_widths"]) == (32768, 2, [26, 5])
+    assert (full["num_blocks"], full["num_groups"], full["group_widths"]) == (1057, 1, [1])
     assert wa["kv_memory_bytes"] == full["kv_memory_bytes"] == 4 << 30
 
 

@@ -22,18 +22,20 @@ def test_gemma3_27b_at_32k_by_hand():
     p = plan("gemma-3-27b", context=32768, kv_memory=20 * GiB)
     wa, sf = p["window_aware"], p["sliding_as_full"]
     # Page of one layer: 2 (K, V) x 16 tokens x 16 KV heads x 128 x 2 bytes = 131072 B.
-    # Window-aware: 52 sliding + 10 full -> gcd 2 layers per group: 26 + 5 groups, 262144 B per block.
-    assert (wa["num_groups"], wa["block_bytes"]) == (31, 262144)
-    # Per request: sliding ceil(1023 / 16) + 1 = 65 blocks x 26 groups + full 32768 / 16 = 2048 x 5 groups.
+    # Window-aware: 52 sliding + 10 full -> gcd 2 layers per unit, 262144 B per unit; one group per kind,
+    # a sliding block spans 26 units and a full one 5.
+    assert (wa["num_groups"], wa["group_widths"], wa["block_bytes"]) == (2, [26, 5], 262144)
+    # Per request: sliding ceil(1023 / 16) + 1 = 65 blocks x 26 units + full 32768 / 16 = 2048 blocks x 5 units.
     assert wa["blocks_per_request"] == 26 * 65 + 5 * 2048 == 11930
     assert wa["kv_bytes_per_request"] == 11930 * 262144 == 3_127_377_920
-    # 20 GiB / 262144 = 81920 blocks, one of them null: 81919 // 11930 = 6.
+    # 20 GiB / 262144 = 81920 units, one of them null: 81919 // 11930 = 6.
     assert (wa["num_blocks"], wa["max_concurrency"]) == (81920, 6)
     # Prefill peak, 512-token chunks: sliding ceil((1023 + 512 - 1) / 16) + 1 = 97 -> 26 x 97 + 10240.
     assert wa["prefill_peak_kv_bytes_per_request"] == (26 * 97 + 10240) * 262144
     assert wa["max_concurrency_prefill_peak"] == 81919 // 12762 == 6
-    # Sliding-as-full: 62 full layers in one group, 62 x 131072 = 8126464 B per block, 2048 blocks each.
-    assert (sf["num_groups"], sf["block_bytes"], sf["blocks_per_request"]) == (1, 8126464, 2048)
+    # Sliding-as-full: 62 full layers in one group of width 1, 62 x 131072 = 8126464 B per unit, 2048 each.
+    assert (sf["num_groups"], sf["group_widths"], sf["block_bytes"], sf["blocks_per_request"]) == \
+        (1, [1], 8126464, 2048)
     assert sf["kv_bytes_per_request"] == 2048 * 8126464 == 16_642_998_272
     assert (sf["num_blocks"], sf["max_concurrency"]) == (20 * GiB // 8126464, 1) == (2642, 1)
     assert p["concurrency_ratio"] == 6.0
@@ -79,7 +81,8 @@ def test_cli_table_and_json(capsys):
     assert "52 x sliding(window=1024) + 10 x full" in out
     lines = {line.split("  ")[0]: line.split() for line in out.splitlines()}
     assert lines["max concurrency, decode"][-2:] == ["6", "1"]
-    assert lines["blocks per request, decode"][-2:] == ["11,930", "2,048"]
+    assert lines["units per request, decode"][-2:] == ["11,930", "2,048"]
+    assert lines["KV-cache groups (units per block)"][-6:] == ["2", "(26", "+", "5)", "1", "(1)"]
     assert "5.32x less KV per request; concurrency ratio 6.00x" in out
     rc, out, _ = run_cli(["--model", "mistral-7b-v0.1", "--kv-memory", "20GiB", "--json"], capsys)
     data = json.loads(out)
@@ -95,7 +98,7 @@ def test_cli_reads_a_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rc, out, _ = run_cli(["--model", str(tmp_path), "--kv-memory", "1MiB", "--context", "1024", "--json"], capsys)
     data = json.loads(out)
-    # 5 sliding + 1 full; page 2 x 16 x 1 x 32 x 2 = 2048 B; gcd 1 -> 6 groups of one layer; 512 blocks.
+    # 5 sliding + 1 full; page 2 x 16 x 1 x 32 x 2 = 2048 B; gcd 1 -> units of one layer, widths 5 + 1; 512 units.
     # Per request: 5 x (ceil(63 / 16) + 1 = 5) + 1024 / 16 = 89 blocks; 511 // 89 = 5. As full: 6 x 64; 511 // 384 = 1.
     assert (data["window_aware"]["blocks_per_request"], data["window_aware"]["max_concurrency"]) == (89, 5)
     assert (data["sliding_as_full"]["blocks_per_request"], data["sliding_as_full"]["max_concurrency"]) == (64, 1)

@@ -18,7 +18,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM
@@ -35,20 +35,21 @@ VOCAB = 3   # generated tokens come from the same alphabet as prompts: outputs a
 class SimulatedExecutor:
     """The executor interface over one simulated worker (what ``LocalExecutor`` does for a preset)."""
 
-    def __init__(self, specs, num_blocks):
-        self.specs, self.num_blocks = specs, num_blocks
+    def __init__(self, specs, num_blocks, widths):
+        self.specs, self.num_blocks, self.widths = specs, num_blocks, widths
         self.restart()
 
     def execute(self, step):
         return self.worker.execute(step)
 
     def restart(self):
-        self.worker = SimulatedWorker(self.specs, self.num_blocks, vocab_size=VOCAB)
+        self.worker = SimulatedWorker(self.specs, self.num_blocks, vocab_size=VOCAB, widths=self.widths)
 
 
-def brute_force_need(specs, num_tokens: int) -> int:
-    """Blocks the worst computed position (0 .. num_tokens - 2) needs, all groups together."""
-    return max(sum(c // s.block_size - s.first_needed_token(c) // s.block_size + 1 for s in specs)
+def brute_force_need(specs, widths, num_tokens: int) -> int:
+    """Pool units the worst computed position (0 .. num_tokens - 2) needs, all groups together."""
+    return max(sum(w * (c // s.block_size - s.first_needed_token(c) // s.block_size + 1)
+                   for s, w in zip(specs, widths))
                for c in range(num_tokens - 1))
 
 
@@ -62,14 +63,16 @@ REQUEST = st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(specs=st.lists(SPEC, min_size=1, max_size=3), num_blocks=st.integers(2, 24), caching=st.booleans(),
-       budget=st.integers(1, 48), max_model_len=st.integers(2, 80),
+@given(groups=st.lists(st.tuples(SPEC, st.integers(1, 3)), min_size=1, max_size=3), num_blocks=st.integers(2, 24),
+       caching=st.booleans(), budget=st.integers(1, 48), max_model_len=st.integers(2, 80),
        requests=st.lists(REQUEST, min_size=1, max_size=6))
-def test_every_accepted_request_finishes_within_the_progress_bound(specs, num_blocks, caching, budget, max_model_len,
+def test_every_accepted_request_finishes_within_the_progress_bound(groups, num_blocks, caching, budget, max_model_len,
                                                                    requests):
-    engine = Engine(SimulatedExecutor(specs, num_blocks), specs, num_blocks,
+    specs, widths = [s for s, _ in groups], [w for _, w in groups]
+    assume(num_blocks > max(widths))   # the manager refuses a pool that cannot hold one block of each group
+    engine = Engine(SimulatedExecutor(specs, num_blocks, widths), specs, num_blocks,
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=budget,
-                                 enable_prefix_caching=caching, vocab_size=VOCAB))
+                                 enable_prefix_caching=caching, vocab_size=VOCAB), group_widths=widths)
     expected, outputs, reasons = {}, {}, {}
     bound = max(arrival for _, _, arrival in requests) + 1
     step = 0
@@ -84,7 +87,7 @@ def test_every_accepted_request_finishes_within_the_progress_bound(specs, num_bl
                 if len(prompt) >= max_model_len:
                     assert "leaves no room to generate" in str(exc)
                 else:   # refused only what can never finish, with the figures that say so
-                    need = brute_force_need(specs, total)
+                    need = brute_force_need(specs, widths, total)
                     assert need > num_blocks - 1
                     assert f"{total} tokens need up to {need} KV blocks, the pool has {num_blocks - 1}" in str(exc)
                 continue
@@ -107,11 +110,13 @@ def test_every_accepted_request_finishes_within_the_progress_bound(specs, num_bl
 
 
 @settings(max_examples=300, deadline=None)
-@given(specs=st.lists(SPEC, min_size=1, max_size=4), num_positions=st.integers(0, 200))
-def test_peak_blocks_is_the_brute_force_maximum(specs, num_positions):
-    brute = max((sum(c // s.block_size - s.first_needed_token(c) // s.block_size + 1 for s in specs)
+@given(groups=st.lists(st.tuples(SPEC, st.integers(1, 4)), min_size=1, max_size=4), num_positions=st.integers(0, 200))
+def test_peak_blocks_is_the_brute_force_maximum_in_units(groups, num_positions):
+    specs, widths = [s for s, _ in groups], [w for _, w in groups]
+    brute = max((sum(w * (c // s.block_size - s.first_needed_token(c) // s.block_size + 1)
+                     for s, w in zip(specs, widths))
                  for c in range(num_positions)), default=0)
-    assert peak_blocks(specs, num_positions) == brute
+    assert peak_blocks(specs, num_positions, widths) == brute
 
 
 # -- the reported livelocks, through LLM with a real tiny model ---------------------------------------

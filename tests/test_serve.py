@@ -25,7 +25,7 @@ from workers.tiny_models import build_tiny_model
 
 from conftest import ROOT
 
-MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: four KV-cache groups, one layer each
+MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: two KV-cache groups (3 units + 1 of one layer)
 ENGINE = "test-serve-engine"
 BLOCK, NUM_BLOCKS, MAX_LEN = 4, 512, 1024
 BODY_LIMIT = 256 << 10         # the app's max_body_bytes here (the default is 8 MiB)
@@ -332,9 +332,9 @@ def test_models_health_metrics(url):
     assert samples["swakv_step_time_seconds_mean"] == stats["mean_step_time_s"] > 0
     assert samples["swakv_delta_bytes_total"] == stats["delta_bytes"]
     assert samples["swakv_worker_restarts_total"] == 0.0
-    # 3 sliding layers + 1 full: groups one layer wide (gcd 1), three sliding groups then one full
+    # 3 sliding layers + 1 full: one group per kind, sliding first (its blocks 3 units of one layer wide)
     assert [k for k in samples if k.startswith("swakv_kv_cache_group_usage_ratio")] == [
-        f'swakv_kv_cache_group_usage_ratio{{group="{g}"}}' for g in range(4)]
+        f'swakv_kv_cache_group_usage_ratio{{group="{g}"}}' for g in range(2)]
     assert samples['swakv_requests_finished_total{reason="length"}'] == stats["finished"]["length"]
 
 

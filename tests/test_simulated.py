@@ -174,17 +174,20 @@ def test_forget_then_restart_and_stale_mirror_entries():
 
 def test_step_time_comes_from_the_cost_model():
     cost = StepCostModel("gemma-3-27b", "H100-80GB", pipeline_parallel_size=2)
-    specs = kv_layout(layer_specs("gemma-3-27b"), 2).group_specs
-    assert len(specs) == 31
-    ids = [[g + 1] for g in range(31)]
-    step = StepInput(0, [ScheduledChunk("r", [1, 2, 3], 0, ids)])
-    whole = SimulatedWorker(specs, 100, vocab_size=262208, cost_model=cost).execute(step)
+    layout = kv_layout(layer_specs("gemma-3-27b"), 2)
+    specs, widths = layout.group_specs, layout.group_widths
+    assert widths == (26, 5)           # 26 sliding + 5 full layers per stage, one layer per unit
+    # one block per group: sliding = units 1..26, full = units 27..31
+    step = StepInput(0, [ScheduledChunk("r", [1, 2, 3], 0, [[1], [27]])],
+                     compositions=[(0, 1, list(range(1, 27))), (1, 27, list(range(27, 32)))])
+    whole = SimulatedWorker(specs, 100, vocab_size=262208, widths=widths, cost_model=cost).execute(step)
     assert whole.simulated_time_s == cost.step([(0, 3)]).time_s
-    last = SimulatedWorker(specs, 100, vocab_size=262208, cost_model=cost, pipeline_stage=1).execute(step)
+    last = SimulatedWorker(specs, 100, vocab_size=262208, widths=widths, cost_model=cost,
+                           pipeline_stage=1).execute(step)
     assert last.simulated_time_s == cost.step([(0, 3)]).time_s   # any stage reports the whole step
-    assert SimulatedWorker(specs, 100, vocab_size=262208).execute(step).simulated_time_s == 0.0
+    assert SimulatedWorker(specs, 100, vocab_size=262208, widths=widths).execute(step).simulated_time_s == 0.0
     built = SimulatedWorker.for_model("gemma-3-27b", "H100-80GB", num_blocks=100, pipeline_parallel_size=2)
-    assert built.groups == list(specs) and built.vocab_size == 262208
+    assert built.groups == list(specs) and built.widths == widths and built.vocab_size == 262208
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -197,3 +200,52 @@ def test_step_time_comes_from_the_cost_model():
 def test_bad_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SimulatedWorker(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Composites: a block of a group of width k spans k pool units, named by its first
+# ---------------------------------------------------------------------------------------------------------
+WIDE = [FullAttention(4), SlidingWindow(4, window=8)]
+
+
+def _wide_worker():
+    w = SimulatedWorker(WIDE, 50, vocab_size=100, widths=(2, 3))
+    w.execute(StepInput(0, [ScheduledChunk("r", [1, 2, 3, 4], 0, [[1], [3]])],
+                        compositions=[(0, 1, [1, 2]), (1, 3, [3, 4, 5])]))
+    return w
+
+
+@pytest.mark.parametrize("step, match", [
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[6], [9]])]), "group 0 reads block 6, which no composition has named"),
+    (StepInput(1, [], compositions=[(0, 1, [1, 2])]), "composition of group 0 block 1: a live window still reads it"),
+    (StepInput(1, [], compositions=[(1, 6, [6, 7, 2])]),
+     r"composition of group 1 block 6 spans unit 2, which group 0 block 1 \(read by a live window\) spans too"),
+    # unit 6 goes to block 9 of group 0 after block 6 of group 1 took it: block 6 no longer holds it
+    (StepInput(1, [ScheduledChunk("n", [1], 0, [[9], [6]])], compositions=[(1, 6, [6, 7, 8]), (0, 9, [9, 6])]),
+     "group 1 block 6 spans unit 6, which a later composition gave to group 0 block 9"),
+    (StepInput(1, [], compositions=[(0, 6, [6, 7, 8])]), r"group 0 needs 2 distinct units in \[1, 50\)"),
+    (StepInput(1, [], compositions=[(0, 6, [7, 6])]), "a composite is named by its first unit, 7"),
+    (StepInput(1, [], compositions=[(2, 6, [6, 7])]), r"group must be one of the groups wider than one unit \[0, 1\]"),
+])
+def test_inconsistent_compositions_raise_and_change_nothing(step, match):
+    w = _wide_worker()
+    with pytest.raises(ValueError, match=match):
+        w.execute(step)
+    assert w.request_ids == ["r"] and w.block_table("r") == [[1], [3]] and w.units(1, 3) == (3, 4, 5)
+    assert w.blocks_in_use("r") == [[1], [3]]
+    w.execute(StepInput(2, [ScheduledChunk("r", [1], 4, [[6], [9]])], compositions=[(0, 6, [6, 7]),
+                                                                                      (1, 9, [9, 10, 11])]))
+    assert w.blocks_in_use("r") == [[1, 6], [3, 9]]
+
+
+def test_a_composite_leaving_every_window_may_be_recomposed_in_the_same_step():
+    w = SimulatedWorker([FullAttention(4), SlidingWindow(4, window=1)], 50, vocab_size=100, widths=(1, 2))
+    w.execute(StepInput(0, [ScheduledChunk("r", [1, 2, 3, 4], 0, [[1], [2]])], compositions=[(1, 2, [2, 3])]))
+    # position 4 reads only itself: sliding block 0 (composite 2) leaves the window, and block 1 is the same
+    # id composed anew from units 2 and 5; unit 3 is free again
+    w.execute(StepInput(1, [ScheduledChunk("r", [5], 4, [[4], [2]])], compositions=[(1, 2, [2, 5])]))
+    assert w.units(1, 2) == (2, 5) and w.block_table("r") == [[1, 4], [2, 2]]
+    assert w.blocks_in_use("r") == [[1, 4], [2]]
+    # unit 3 now serves full attention's block 3 of a new request
+    w.execute(StepInput(2, [ScheduledChunk("s", [1], 0, [[3], [6]])], compositions=[(1, 6, [6, 7])]))
+    assert w.blocks_in_use("s") == [[3], [6]]

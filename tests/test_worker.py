@@ -23,15 +23,18 @@ ATOL = 1e-4
 
 
 class HandTables:
-    """Test-side block bookkeeping for one worker's KV-cache groups."""
+    """Test-side block bookkeeping for one worker's KV-cache groups, in pool units: a block of a group of
+    width k takes k units from the free list, freshly composed every time (named by its first unit)."""
 
-    def __init__(self, groups, num_blocks=NUM_BLOCKS, seed=0):
-        self.groups = groups
+    def __init__(self, worker, num_blocks=NUM_BLOCKS, seed=0):
+        self.groups, self.widths = worker.groups, worker.widths
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[list[int]]] = {}
         self.sent: dict[str, list[int]] = {}
-        self.owner: dict[int, str] = {}
+        self.owner: dict[int, str] = {}          # unit -> request it was last taken for
+        self.units: dict[tuple[int, int], list[int]] = {}    # (group, block id) -> its units
+        self.compositions: list = []             # made since the last step
 
     def chunk(self, rid, token_ids, pos, **kwargs) -> ScheduledChunk:
         tables = self.tables.setdefault(rid, [[] for _ in self.groups])
@@ -42,15 +45,24 @@ class HandTables:
             table = tables[g]
             for j in range(min(spec.first_needed_token(pos) // BLOCK, len(table))):
                 if table[j]:
-                    self.free.insert(0, table[j])  # reused by the very next allocation
+                    self.free[:0] = self.units[g, table[j]]  # reused by the very next allocation
                     table[j] = 0
             while len(table) * BLOCK < end:
-                block = self.free.pop(0)
-                self.owner[block] = rid
-                table.append(block)
+                units = [self.free.pop(0) for _ in range(self.widths[g])]
+                for unit in units:
+                    self.owner[unit] = rid
+                self.units[g, units[0]] = units
+                if len(units) > 1:
+                    self.compositions.append((g, units[0], units))
+                table.append(units[0])
             new.append(table[sent[g]:])
             sent[g] = len(table)
         return ScheduledChunk(rid, list(token_ids), pos, new, **kwargs)
+
+    def step(self, step_id, chunks, forget=()) -> StepInput:
+        """A step carrying the compositions made for its chunks."""
+        compositions, self.compositions = self.compositions, []
+        return StepInput(step_id, chunks, list(forget), compositions)
 
     def share_prefix(self, src, dst, num_tokens):
         """A prefix-cache hit: ``dst`` starts with ``src``'s blocks for its first tokens, nulls where dropped."""
@@ -62,8 +74,10 @@ class HandTables:
         self.sent[dst] = [0] * len(self.groups)
 
     def release(self, rid):
-        for table in self.tables.pop(rid):
-            self.free[:0] = [b for b in table if b]
+        for g, table in enumerate(self.tables.pop(rid)):
+            for b in table:
+                if b:
+                    self.free[:0] = self.units[g, b]
         del self.sent[rid]
 
 
@@ -97,16 +111,16 @@ SCHEDULE = [
 FINISHED_BEFORE = {4: "B"}
 
 
-def run_schedule(forward, groups, seqs):
+def run_schedule(forward, worker, seqs):
     """Drive ``forward(step) -> logits`` through SCHEDULE; yield (step, rid, end, logits row)."""
-    hand = HandTables(groups)
+    hand = HandTables(worker)
     for step_id, entries in enumerate(SCHEDULE):
         forget = []
         if step_id in FINISHED_BEFORE:
             forget.append(FINISHED_BEFORE[step_id])
             hand.release(FINISHED_BEFORE[step_id])
         chunks = [hand.chunk(rid, seqs[rid][a:b], a) for rid, a, b in entries]
-        logits = forward(StepInput(step_id, chunks, forget))
+        logits = forward(hand.step(step_id, chunks, forget))
         assert logits.shape == (len(chunks), 256)
         for (rid, _, end), row in zip(entries, logits):
             yield rid, end, row
@@ -118,7 +132,7 @@ def test_logits_match_dense_forward(name):
     worker, ref = make(name)
     seqs = {"A": tokens(1, 42), "B": tokens(2, 23), "C": tokens(3, 19)}
     expected = {rid: dense_logits(ref, s) for rid, s in seqs.items()}
-    rows = list(run_schedule(worker.forward, worker.groups, seqs))
+    rows = list(run_schedule(worker.forward, worker, seqs))
     assert len(rows) == 15
     for rid, end, row in rows:
         torch.testing.assert_close(row, expected[rid][end - 1], atol=ATOL, rtol=0)
@@ -129,7 +143,7 @@ def test_stale_mirror_ids_are_reused_by_other_requests():
     """The schedule really leaves A's sliding mirror pointing at blocks B and C have since written."""
     worker, _ = make("tiny-gemma2")
     seqs = {"A": tokens(1, 42), "B": tokens(2, 23), "C": tokens(3, 19)}
-    gen = run_schedule(worker.forward, worker.groups, seqs)
+    gen = run_schedule(worker.forward, worker, seqs)
     while True:
         try:
             next(gen)
@@ -167,14 +181,14 @@ def test_greedy_decoding_equals_generate(name):
     prompt = tokens(7, 24)  # three windows / chunks of 8
     with torch.no_grad():
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, 24:].tolist()
-    hand = HandTables(worker.groups)
+    hand = HandTables(worker)
     out = []
     for step_id, (a, b) in enumerate([(0, 10), (10, 20), (20, 24)]):
-        sampled = worker.execute(StepInput(step_id, [hand.chunk("r", prompt[a:b], a, sample=b == 24)])).sampled
+        sampled = worker.execute(hand.step(step_id, [hand.chunk("r", prompt[a:b], a, sample=b == 24)])).sampled
     out.append(sampled["r"])
     while len(out) < 20:
         pos = 24 + len(out) - 1
-        sampled = worker.execute(StepInput(len(out) + 3, [hand.chunk("r", [out[-1]], pos)])).sampled
+        sampled = worker.execute(hand.step(len(out) + 3, [hand.chunk("r", [out[-1]], pos)])).sampled
         out.append(sampled["r"])
     assert out == expected
     assert len(set(expected)) > 8  # the model does not just repeat itself
@@ -186,7 +200,7 @@ def test_prefix_hit_with_null_blocks_in_mirror(name):
     worker, ref = make(name)
     a_tokens = tokens(11, 24)
     b_tokens = a_tokens[:16] + tokens(12, 14)
-    hand = HandTables(worker.groups)
+    hand = HandTables(worker)
     worker.forward(StepInput(0, [hand.chunk("A", a_tokens, 0)]))
     hand.share_prefix("A", "B", 16)
     chunk = hand.chunk("B", b_tokens[16:26], 16)
@@ -205,10 +219,10 @@ def test_prefix_hit_with_null_blocks_in_mirror(name):
 def test_forget_then_recompute():
     worker, ref = make("tiny-gemma3")
     seq = tokens(5, 20)
-    hand = HandTables(worker.groups)
-    worker.forward(StepInput(0, [hand.chunk("r", seq[:12], 0)]))
+    hand = HandTables(worker)
+    worker.forward(hand.step(0, [hand.chunk("r", seq[:12], 0)]))
     hand.release("r")
-    logits = worker.forward(StepInput(1, [hand.chunk("r", seq, 0)], forget=["r"]))
+    logits = worker.forward(hand.step(1, [hand.chunk("r", seq, 0)], forget=["r"]))
     torch.testing.assert_close(logits[0], dense_logits(ref, seq)[-1], atol=ATOL, rtol=0)
 
 
@@ -227,13 +241,13 @@ def test_pipeline_of_two_stages_matches_one_stage():
         assert hidden.shape == (sum(len(c.token_ids) for c in step.chunks), 64)
         return stages[1].forward(step, hidden)
 
-    rows = list(run_schedule(two_stages, single.groups, seqs))
-    single_rows = list(run_schedule(single.forward, single.groups, seqs))
+    rows = list(run_schedule(two_stages, single, seqs))
+    single_rows = list(run_schedule(single.forward, single, seqs))
     for (rid, end, row), (_, _, single_row) in zip(rows, single_rows):
         torch.testing.assert_close(row, single_row, atol=1e-5, rtol=0)
         torch.testing.assert_close(row, expected[rid][end - 1], atol=ATOL, rtol=0)
-    hand = HandTables(single.groups)
-    step = StepInput(0, [hand.chunk("D", tokens(9, 17), 0)])
+    hand = HandTables(single)
+    step = hand.step(0, [hand.chunk("D", tokens(9, 17), 0)])
     assert execute_pipeline(stages, step).sampled == {"D": int(expected_argmax(ref, tokens(9, 17)))}
 
 
@@ -255,10 +269,10 @@ def test_temperature_sampling_replays_and_varies():
 
     def sample(seeds, temperature=1.0, table_seed=0, step_id=0):
         worker = make("tiny-llama")[0]
-        hand = HandTables(worker.groups, seed=table_seed)
+        hand = HandTables(worker, seed=table_seed)
         chunks = [hand.chunk(f"r{seed}", seq, 0, start=RequestStart(SamplingSpec(temperature=temperature, seed=seed),
                                                                      len(seq))) for seed in seeds]
-        sampled = worker.execute(StepInput(step_id, chunks)).sampled
+        sampled = worker.execute(hand.step(step_id, chunks)).sampled
         return [sampled[f"r{seed}"] for seed in seeds]
 
     # A replay on another worker, other blocks, another step id: the same draw.
@@ -297,7 +311,7 @@ def assert_unchanged(worker, before):
 
 def test_bad_steps_are_refused_before_any_change():
     worker, _ = make("tiny-gemma2", num_blocks=32)
-    hand = HandTables(worker.groups, num_blocks=32)
+    hand = HandTables(worker, num_blocks=32)
     worker.forward(StepInput(0, [hand.chunk("A", tokens(1, 10), 0)]))   # A holds 3 blocks per group
     before = snapshot(worker)
     ok = hand.chunk("B", tokens(2, 5), 0)
@@ -365,7 +379,7 @@ def test_model_from_local_directory(tmp_path):
     ref.save_pretrained(tmp_path)
     worker = Worker(str(tmp_path), block_size=BLOCK, num_blocks=16)
     seq = tokens(8, 11)
-    logits = worker.forward(StepInput(0, [HandTables(worker.groups, num_blocks=16).chunk("r", seq, 0)]))
+    logits = worker.forward(StepInput(0, [HandTables(worker, num_blocks=16).chunk("r", seq, 0)]))
     torch.testing.assert_close(logits[0], dense_logits(ref, seq)[-1], atol=ATOL, rtol=0)
 
 
@@ -376,7 +390,7 @@ def test_stages_built_from_a_config_and_seed_agree():
     seq = tokens(6, 20)
 
     def logits(workers):
-        step = StepInput(0, [HandTables(workers[0].groups).chunk("r", seq, 0)])
+        step = StepInput(0, [HandTables(workers[0]).chunk("r", seq, 0)])
         out = None
         for w in workers:
             out = w.forward(step, out)
@@ -398,7 +412,7 @@ def _tensor_parallel_rank(rank, size, init_file, out_dir):
     for name in ("tiny-gemma2", "tiny-gemma3"):
         worker = Worker(name, block_size=BLOCK, num_blocks=NUM_BLOCKS, tensor_parallel_size=size,
                         tensor_parallel_rank=rank)
-        rows = torch.stack([row for _, _, row in run_schedule(worker.forward, worker.groups, seqs)])
+        rows = torch.stack([row for _, _, row in run_schedule(worker.forward, worker, seqs)])
         torch.save({"rows": rows, "kv_bytes": worker.kv_cache_bytes()}, f"{out_dir}/{name}-{rank}.pt")
     dist.destroy_process_group()
 
@@ -429,3 +443,25 @@ def test_tensor_parallel_sizes_must_divide():
         Worker("tiny-gemma2", block_size=BLOCK, num_blocks=8, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gated dense MLPs"):
         Worker("tiny-llama4", block_size=BLOCK, num_blocks=8, tensor_parallel_size=2)
+
+
+def test_members_table_routes_each_layer_to_its_unit():
+    # tiny-gemma3: layers sliding, sliding, full, sliding -> S = 1; sliding is 3 units wide, full 1. Layer
+    # 0 is sliding member 0, layer 1 member 1, layer 3 member 2; layer 2 is full attention's block itself.
+    worker, ref = make("tiny-gemma3")
+    assert worker.widths == (3, 1)
+    seq = tokens(4, 3)
+    logits = worker.forward(StepInput(0, [ScheduledChunk("r", seq, 0, [[5], [7]])], compositions=[(0, 5, [5, 9, 2])]))
+    torch.testing.assert_close(logits[0], dense_logits(ref, seq)[-1], atol=ATOL, rtol=0)
+    assert worker._members[0][5].tolist() == [5, 9, 2]
+    k_cache = worker.kv.caches[0][0]                      # the one K tensor every layer shares (S = 1)
+    written = {b for b in range(NUM_BLOCKS) if k_cache[b].abs().sum() > 0}
+    assert written == {2, 5, 7, 9}
+    assert all(k_cache[b, :3].abs().sum(-1).min() > 0 and k_cache[b, 3:].abs().sum() == 0 for b in written)
+    # recomposing block 5 (a new request after "r" is forgotten) moves its layers to other units
+    logits = worker.forward(StepInput(1, [ScheduledChunk("s", seq, 0, [[5], [8]])], forget=["r"],
+                                      compositions=[(0, 5, [5, 11, 12])]))
+    torch.testing.assert_close(logits[0], dense_logits(ref, seq)[-1], atol=ATOL, rtol=0)
+    assert worker._members[0][5].tolist() == [5, 11, 12]
+    with pytest.raises(ValueError, match="group 0 reads blocks \\[6\\], which no composition has named"):
+        worker.forward(StepInput(2, [ScheduledChunk("t", seq, 0, [[6], [9]])]))

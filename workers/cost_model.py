@@ -107,8 +107,11 @@ class StepCostModel:
 
     def step(self, batch: Sequence[tuple[int, int]]) -> StepCost:
         """Cost of a step computing, for each sequence, ``num_tokens`` tokens after ``start`` computed ones."""
-        batch = [_check_seq(i, s) for i, s in enumerate(batch)]
+        if not all(type(s) is tuple and len(s) == 2 and type(s[0]) is int and type(s[1]) is int  # noqa: E721
+                   and s[0] >= 0 and s[1] >= 1 for s in batch):
+            batch = [_check_seq(i, s) for i, s in enumerate(batch)]
         m, gpu, tp = self.model, self.gpu, self.tp
+        totals = {}      # per spec: (keys read, attended pairs) over the batch, the same on every stage
         tokens = sum(n for _, n in batch)
         weights_read = m.weight_bytes_read(tokens)
         q_heads = m.num_attention_heads // tp
@@ -121,10 +124,13 @@ class StepCostModel:
             kv_read = kv_write = 0
             for spec, layers in counts.items():
                 token_bytes = 2 * spec.num_kv_heads * spec.head_size * DTYPE_BYTES[spec.dtype]
-                for start, n in batch:
-                    kv_read += layers * token_bytes * keys_read(spec, start, n)
-                    kv_write += layers * token_bytes * n
-                    flops += layers * 4 * q_heads * spec.head_size * attended_pairs(spec, start, n)
+                if spec not in totals:
+                    totals[spec] = (sum(keys_read(spec, start, n) for start, n in batch),
+                                    sum(attended_pairs(spec, start, n) for start, n in batch))
+                keys, pairs = totals[spec]
+                kv_read += layers * token_bytes * keys
+                kv_write += layers * token_bytes * tokens
+                flops += layers * 4 * q_heads * spec.head_size * pairs
             weight = weights_read * fraction / tp
             num_layers = sum(counts.values())
             stages.append(StageCost(

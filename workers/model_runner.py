@@ -38,6 +38,7 @@ class PagedKV:
     caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # [num_blocks, block_size, num_kv_heads, head_size]
     specs: dict[int, AttentionSpec]
     groups: dict[int, int]                                 # layer -> KV-cache group (its block table)
+    members: dict[int, int]                                # layer -> unit of its group's blocks it uses
 
 
 @dataclass
@@ -47,8 +48,8 @@ class StepBatch:
     positions: torch.Tensor            # [num_tokens] int64
     seq_lens: torch.Tensor             # [num_seqs] int32, tokens after the step
     query_lens: torch.Tensor           # [num_seqs] int32, new tokens this step
-    block_tables: list[torch.Tensor]   # per group [num_seqs, max_blocks] int32
-    slot_mappings: list[torch.Tensor]  # per group [num_tokens] int64
+    block_tables: list[torch.Tensor]   # per group [width, num_seqs, max_blocks] int32: unit ids per member
+    slot_mappings: list[torch.Tensor]  # per group [width, num_tokens] int64
     logits_indices: torch.Tensor       # [k] int64: rows of the packed batch whose logits are wanted
 
 
@@ -71,10 +72,10 @@ def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError(f"layer {layer}: model code uses sliding_window={sliding_window} but the KV spec says "
                            f"{window}; the config and the model class disagree")
     k_cache, v_cache = kv.caches[layer]
-    group = kv.groups[layer]
-    store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mappings[group])
-    out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.block_tables[group], batch.seq_lens,
-                          batch.query_lens, window=window, scale=scaling, softcap=softcap,
+    group, member = kv.groups[layer], kv.members[layer]
+    store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mappings[group][member])
+    out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.block_tables[group][member],
+                          batch.seq_lens, batch.query_lens, window=window, scale=scaling, softcap=softcap,
                           chunk_size=spec.chunk_size if isinstance(spec, ChunkedLocalAttention) else None)
     return out.unsqueeze(0), None
 

@@ -4,6 +4,11 @@ The engine sends only block-table deltas (``ScheduledChunk.new_block_ids``). The
 its mirror per request and KV-cache group, turns the step into packed tensors, runs its pipeline stage
 and, on the last stage, samples. A step is checked whole before anything changes: a bad delta leaves
 the mirrors and the cache as they were.
+
+A group of width ``k > 1`` names each block by one id, a composite of ``k`` pool units; the worker keeps
+its units in a members tensor ``[num_blocks, k]`` on the device, updated from the step's compositions.
+Per step and group, one gather turns the composite table into ``k`` unit tables; the layer of member
+``u`` and slot ``t`` reads and writes K/V tensor pair ``t`` through unit table ``u``.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ from kvmanager.specs import AttentionSpec
 from workers.layer_kinds import LAYER_NAME, layer_specs
 from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
                                   stage_range)
-from workers.protocol import RequestError, ScheduledChunk, StepInput, StepOutput, check_chunk_fields
+from workers.protocol import (RequestError, ScheduledChunk, StepInput, StepOutput, check_chunk_fields,
+                              check_compositions)
 from workers.sampling import Sampler
 from workers.tiny_models import TINY_MODELS, build_tiny_model
 
@@ -78,6 +84,7 @@ class Worker:
             raise ValueError(f"layers {start}-{end - 1} have different KV shapes {sorted(shapes)}; layers of one "
                              "stage share K/V tensors, so they must agree")
         self.groups = list(layout.group_specs)
+        self.widths = tuple(layout.group_widths)
         if device is not None:
             model = model.to(device)
         self.stage = StageModel(model, layers)
@@ -86,14 +93,19 @@ class Worker:
         self.vocab_size = config.vocab_size
         self.device = next(model.parameters()).device
         (kv_heads, head_size), = shapes
-        # One K/V tensor pair per slot; the layer at slot t of every group uses pair t at its group's ids.
+        # One K/V tensor pair per slot; the layer at (member u, slot t) of a group uses pair t at unit u.
         pairs = [tuple(torch.zeros(num_blocks, block_size, kv_heads, head_size, dtype=model.dtype,
                                    device=self.device) for _ in "kv") for _ in range(plan.layers_per_group)]
         slots = {i: plan.layer_slots[LAYER_NAME.format(i)] for i in held}
-        self.kv = PagedKV(caches={i: pairs[slots[i][1]] for i in held},
+        self.kv = PagedKV(caches={i: pairs[slots[i][2]] for i in held},
                           specs={i: specs[i] for i in held},
-                          groups={i: slots[i][0] for i in held})
+                          groups={i: slots[i][0] for i in held},
+                          members={i: slots[i][1] for i in held})
         self._tables: dict[str, list[list[int]]] = {}
+        # Per group wider than one unit: block id -> its units (row 0, the null block, stays all null).
+        self._members = {g: torch.zeros(num_blocks, k, dtype=torch.int32, device=self.device)
+                         for g, k in enumerate(self.widths) if k > 1}
+        self._composed: dict[int, set[int]] = {g: set() for g in self._members}   # ids the members name
         self.sampler = Sampler(self.vocab_size, self.device) if self.stage.is_last else None
 
     @classmethod
@@ -141,13 +153,18 @@ class Worker:
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
-        tables = self.check(step)
+        tables, compositions = self._check(step)
         self._check_hidden(step, hidden_states)
         for request_id in step.forget:
             del self._tables[request_id]
             if self.sampler:
                 self.sampler.forget(request_id)
         self._tables.update(tables)
+        for g, composed in compositions.items():
+            ids = torch.tensor(list(composed), dtype=torch.long)
+            self._members[g][ids.to(self.device)] = torch.tensor(list(composed.values()), dtype=torch.int32,
+                                                                 device=self.device)
+            self._composed[g].update(composed)
         if self.sampler:
             self.sampler.observe(step.chunks)
         if not step.chunks:
@@ -159,10 +176,15 @@ class Worker:
             input_ids = torch.tensor([t for c in step.chunks for t in c.token_ids], device=self.device)
         return self.stage.forward(self.kv, batch, input_ids=input_ids, hidden_states=hidden_states)
 
-    def check(self, step: StepInput) -> dict[str, list[list[int]]]:
-        """Validate a step without changing anything; return the tables its chunks will have."""
+    def check(self, step: StepInput) -> None:
+        """Validate a step without changing anything."""
+        self._check(step)
+
+    def _check(self, step: StepInput):
+        """The tables the step's chunks will have, and its compositions per group (validated)."""
         if not isinstance(step, StepInput):
             raise TypeError(f"step must be a StepInput, got {type(step).__name__}")
+        compositions = check_compositions(step.compositions, self.widths, self.num_blocks)
         forget = list(step.forget)
         for request_id in forget:
             if request_id not in self._tables:
@@ -183,8 +205,8 @@ class Worker:
                                                      "workers carries one)")
             base = self._tables[chunk.request_id] if known else [[] for _ in self.groups]
             tables[chunk.request_id] = [old + list(new) for old, new in zip(base, chunk.new_block_ids)]
-            self._check_table(chunk, tables[chunk.request_id], known)
-        return tables
+            self._check_table(chunk, tables[chunk.request_id], known, compositions)
+        return tables, compositions
 
     def _check_hidden(self, step: StepInput, hidden_states: torch.Tensor | None) -> None:
         num_tokens = sum(len(c.token_ids) for c in step.chunks)
@@ -194,8 +216,9 @@ class Worker:
             raise ValueError(f"hidden_states must have shape ({num_tokens}, {self.stage.hidden_size}), "
                              f"got {tuple(hidden_states.shape)}")
 
-    def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool) -> None:
-        """The table must reach the step's last token and hold real blocks wherever the step reads or writes."""
+    def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool, compositions: dict) -> None:
+        """The table must reach the step's last token and hold real (and composed) blocks wherever the step
+        reads or writes."""
         bs, rid = self.block_size, chunk.request_id
         end = chunk.start_pos + len(chunk.token_ids)
         need = -(-end // bs)
@@ -210,26 +233,36 @@ class Worker:
                 nulls = [first + j for j, b in enumerate(read) if b == NULL_BLOCK_ID]
                 raise RequestError(rid, f"request {rid!r}: group {g} has the null block at logical blocks "
                                         f"{nulls}, which positions {chunk.start_pos}..{end - 1} read or write")
+            if g in self._composed:
+                unknown = [b for b in read if b not in self._composed[g] and b not in compositions.get(g, ())]
+                if unknown:
+                    raise ValueError(f"request {chunk.request_id!r}: group {g} reads blocks {unknown}, which no "
+                                     "composition has named")
 
     def _batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
+        """Per group, the unit tables ``[k, num_seqs, max_blocks]`` (one gather through the members) and the
+        slots ``[k, num_tokens]`` of every member."""
         bs, dev = self.block_size, self.device
         query_lens = [len(c.token_ids) for c in chunks]
         seq_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
-        positions = torch.cat([torch.arange(c.start_pos, end) for c, end in zip(chunks, seq_lens)])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens))
+        positions = torch.cat([torch.arange(c.start_pos, end) for c, end in zip(chunks, seq_lens)]).to(dev)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens)).to(dev)
         width = max(-(-n // bs) for n in seq_lens)
         block_tables, slot_mappings = [], []
         for g in range(len(self.groups)):
-            table = torch.zeros(len(chunks), width, dtype=torch.int32)
-            for s, (chunk, n) in enumerate(zip(chunks, seq_lens)):
-                row = self._tables[chunk.request_id][g][:-(-n // bs)]
-                table[s, :len(row)] = torch.tensor(row, dtype=torch.int32)
-            slots = table[seq_of_token, positions // bs].long() * bs + positions % bs
-            block_tables.append(table.to(dev))
-            slot_mappings.append(slots.to(dev))
+            rows = [self._tables[c.request_id][g][:-(-n // bs)] for c, n in zip(chunks, seq_lens)]
+            table = torch.tensor([row + [NULL_BLOCK_ID] * (width - len(row)) for row in rows],
+                                 dtype=torch.int32).to(dev)
+            if g in self._members:
+                table = self._members[g][table.long()].permute(2, 0, 1).contiguous()
+            else:
+                table = table[None]
+            slots = table[:, seq_of_token, positions // bs].long() * bs + positions % bs
+            block_tables.append(table)
+            slot_mappings.append(slots)
         sample_rows = torch.tensor(query_lens).cumsum(0) - 1
         wanted = torch.tensor([c.sample for c in chunks], dtype=torch.bool)
-        return StepBatch(positions=positions.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        return StepBatch(positions=positions, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
                          query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
                          block_tables=block_tables, slot_mappings=slot_mappings,
                          logits_indices=sample_rows[wanted].to(dev))
@@ -246,9 +279,10 @@ def _own_layout(specs: list[AttentionSpec], start: int, end: int, tensor_paralle
 
 def execute_pipeline(stages: Sequence, step: StepInput) -> StepOutput:
     """Run a step through consecutive stages (real or simulated workers) in one process, checking it on
-    every stage first, so a bad step changes no stage."""
-    for stage in stages:
-        stage.check(step)
+    every stage first, so a bad step changes no stage (a single stage checks it as it executes)."""
+    if len(stages) > 1:
+        for stage in stages:
+            stage.check(step)
     out = None
     for stage in stages:
         out = stage.execute(step, out)
