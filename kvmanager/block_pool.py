@@ -11,7 +11,9 @@ the engine to ship to workers before any table that uses them (``pop_composition
 Unit 0 is the null block: it stands in tables for dropped entries and is never allocated, freed or cached.
 A block whose count reaches zero joins the free queue but keeps its hash (lazy eviction): a later prefix
 hit takes it back out, and only reuse for new content forgets its hash. Which free block is reused first
-is the eviction policy, all of it in ``free_queue``.
+is the eviction policy, all of it in ``free_queue``; the callers that release blocks tell it where a hit
+could still land on them. A block's hash is entered in ``cache`` and forgotten in ``_uncache`` (and by
+``reset_prefix_cache``): the only two places the prefix cache changes.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ NULL_BLOCK_ID = 0
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order")
+    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -31,7 +33,8 @@ class Block:
         self.shared = False        # handed out by a prefix hit since it was last filled
         self.kind = -1             # the width > 1 group it is composed for; -1: a loose unit
         self.units: tuple[int, ...] = (block_id,)   # the units it spans, itself first
-        self.order = 0             # its place in the free queue's eviction order
+        self.order = 0             # its place in its free-queue bin
+        self.bin = None            # the free-queue bin it waits in; None while held
 
     def __repr__(self) -> str:
         return (f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None}"
@@ -115,22 +118,21 @@ class BlockPool:
             block.shared = True
         return revived
 
-    def release(self, blocks, dropped: bool = False) -> int:
-        """Drop references (``dropped``: a running request's window moved past them; else its whole table,
-        in table order). The free queue places those no one holds; returns how many became free."""
+    def unref(self, blocks) -> list[Block]:
+        """Drop one reference on each block; those no one holds any more, in order, for the caller to
+        hand to the free queue (``free.add_dropped`` / ``free.add_released``) with what it knows of them."""
         freed = []
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 freed.append(block)
-        if dropped:
-            for block in freed:
-                self.free.add_dropped(block)
-        elif freed:
-            self.free.add_released(freed)
-        return len(freed)
+        return freed
 
-    def cache(self, block: Block, group: int, block_hash: bytes) -> None:
+    def cache(self, block: Block, group: int, block_hash: bytes, parent: bytes | None = None) -> None:
+        """Enter a full block into the prefix cache; ``parent``: the hash before it in its chain (None for
+        the first block), so the eviction policy learns where chains fork."""
+        if parent is not None:
+            self.free.learn(parent, block_hash)
         block.group = group
         block.block_hash = block_hash
         entry = self._cached[group].get(block_hash)
@@ -147,11 +149,17 @@ class BlockPool:
         block.group = -1
         block.block_hash = None
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, only when no block is held (else False, nothing changes): a reset
+        means cached content became invalid, and held blocks belong to running requests."""
+        if self.free.num_free_units != self.num_blocks - 1:
+            return False
         for block in self.blocks:
             block.group, block.block_hash, block.shared = -1, None, False
         for cache in self._cached:
             cache.clear()
+        self.free.forget()
+        return True
 
     # -- compositions, for the workers ---------------------------------------------------------
     def pop_compositions(self) -> list[tuple[int, int, tuple[int, ...]]]:

@@ -17,6 +17,7 @@ class GroupCoordinator:
         self._search_order = sorted(self.groups, key=lambda g: g.drops)
         self._dropping = [g for g in self.groups if g.drops]
         self.alignment = lcm(*(s.block_size for s in specs))
+        self._block_sizes = sorted({s.block_size for s in specs})
         self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
         # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
         self._quiet: dict[str, tuple[int, int, int]] = {}
@@ -41,6 +42,14 @@ class GroupCoordinator:
                     h, settled = hg, 0
                     if h == 0:
                         break
+        for bs in self._block_sizes:
+            hashes = request.block_hashes(bs, 0)
+
+            def hash_at(i: int, bs=bs, hashes=hashes) -> bytes:
+                if i >= len(hashes):   # lazily, as the hit search does
+                    request.block_hashes(bs, max(i + 1, 2 * len(hashes)))
+                return hashes[i]
+            self.pool.free.note_lookup(hash_at, h // bs, max_tokens // bs)
         if h == 0:
             return tuple([] for _ in self.groups), 0
         return tuple(g.hit_blocks(request, h) for g in self.groups), h
@@ -73,13 +82,25 @@ class GroupCoordinator:
                 for g, blocks in zip(groups, hit):
                     g.num_held += self.pool.touch(blocks)
         for g in self._dropping:        # all drops first: their blocks may be what the appends take
-            g.drop(rid, num_computed)
+            g.drop(request, num_computed)
         out = tuple([g.append(request, h, n, num_cacheable) for g, h, n in zip(groups, hit, new)])
         limits = [g.quiet_until(request) for g in groups]
         self._quiet[rid] = (min(q[0] for q in limits), min(q[1] for q in limits), min(q[2] for q in limits))
         return out
 
-    def free(self, request_id: str) -> None:
-        self._quiet.pop(request_id, None)
+    def free(self, request: Request, preempted: bool = False) -> None:
+        """Release every table of the request in one batch, group by group, each tail first, with the
+        blocks a hit at a fork of its chain needs marked (full attention: every block below the deepest
+        fork; a window: the blocks below each fork)."""
+        self._quiet.pop(request.request_id, None)
+        forks = self.pool.free.forks
+        fork_ends: dict[int, list[int]] = {}
+        freed = []
         for g in self.groups:
-            g.free(request_id)
+            bs = g.block_size
+            if forks and bs not in fork_ends:
+                hashes = request.block_hashes(bs, 0)
+                fork_ends[bs] = [e for e, h in enumerate(hashes, 1) if h in forks]
+            freed += g.release(request, fork_ends.get(bs, ()))
+        if freed:
+            self.pool.free.add_released(freed, preempted)

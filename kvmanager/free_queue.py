@@ -1,105 +1,338 @@
 """The eviction policy, in one place: where a freed block waits, and which free blocks a new one is made of.
 
 Free blocks keep their cached content until reused (lazy eviction), so the order in which they are reused
-is the eviction order. Today's policy:
+is the eviction order. A hit needs the blocks right below its end (all of them for full attention, the
+last window for a sliding one), and hits end where a later request's chain stops agreeing with an earlier
+one: the end of a finished request, a **fork** (two requests that shared a prefix, then diverged), a
+resent prompt. So free blocks wait in tiers by where a hit can still land; a new block comes from the
+lowest non-empty tier:
 
-- a finished (or preempted) request's blocks join the back, **tail first**, so the head of a shared
-  prefix is evicted last;
-- a block a sliding group **drops** mid-request that no prefix hit ever shared joins the **front**: it
-  is the least likely to be hit again (plain LRU would let a long request's stream of dropped blocks push
-  finished requests' trailing windows out first); a dropped block that was shared keeps LRU order;
-- new blocks come from the front.
+0. **empty**: blocks holding nothing (never filled, a partial last block, look-ahead slots, units left
+   over from a dissolution). Evicting them costs nothing: no cached block goes while one is free.
+1. **unreachable**: cached blocks a sliding (or chunked) group dropped mid-request that lie below no
+   fork and no prompt end, and windows a follow-up already consumed (shared by a hit that extended the
+   chain). No plausible hit ends above them.
+2. **speculative**: dropped blocks in the window below the request's prompt end (an identical resend).
+3. **reusable**, in release batches: a finished request's **chain** (its trailing window, its full-attention
+   blocks), which its follow-up turn needs; and, apart, blocks **proven** shared (below a fork of their
+   chain, or of a preempted request, which comes back first).
+
+Tier 3's order adapts. Plain LRU is the worst order for the common cyclic reuse of sessions (a session's
+next turn queues behind every other session's, so LRU evicts exactly the chain needed next), and the best
+when reuse comes soon. It starts as LRU (the older front of chains and proven blocks goes first) and
+learns from **ghosts**: the hashes of tier-3 blocks it evicted. A lookup that stops where a ghost chain
+goes on votes for keeping old chains when LRU evicted it, and against it when youngest-first evicted it
+although LRU would have kept it (the distance to its release, in tier-3 units, was within what tier 3
+holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
+``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
+anything older than the horizon (the longest recent reuse distance) goes first: chains nobody came back
+for still age out. Proven blocks then go last.
+
+Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
+of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
+request's chain leaves it, that parent is a fork. Every memory (children, forks, ghosts) is bounded by
+twice the pool's size.
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
-``k`` units. Free entries are loose units (never used, left over, or width-1 groups' blocks) and free
-composites, which stay whole per kind. For a block of kind ``g``: (1) the frontmost free composite of
-``g``, when no ``k`` loose units wait in front of it, is reused as is (no composition, so deltas stay one
-id per entry); (2) else ``k`` loose units, front first; (3) else loose units plus dissolved composites of
-other kinds, frontmost first. A width-1 kind takes the front loose unit, else dissolves. In a layout of
-width-1 groups only, this is one queue and exactly the policy above.
-
-Every entry carries an order key (back pushes count up, front pushes count down), so each queue stays
-sorted and fronts of different queues compare in O(1).
+``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
+and free composites per kind. For a block of kind ``g``, the bins are visited in eviction order: in the
+first bin that holds a free composite of ``g``, it is reused as is (no composition, so deltas stay one id
+per entry) unless ``k`` loose units wait in front of it; else, once the bins visited hold ``k`` units,
+every entry of the lower bins, then loose units, then other kinds' composites of the last bin (frontmost
+first, dissolved) compose it. So a dissolution across kinds still takes from the lowest tier. With width-1
+groups only, this is one order and exactly the policy above.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+
+EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
+# What a dropped block's position tells (``add_dropped``): a hit can end just above it at ...
+REACH_NONE, REACH_PROMPT_END, REACH_FORK = 0, 1, 2
+
+THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
+VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
+PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
+DISTANCES = 64       # reuse distances kept for the horizon
+
+
+class Bin:
+    """Free entries of one tier or one release batch: loose units and composites per kind, each in order."""
+
+    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young")
+
+    def __init__(self, widths: tuple[int, ...], stamp: int = 0, batches: OrderedDict | None = None):
+        self.loose: OrderedDict[int, object] = OrderedDict()
+        self.composites = [OrderedDict() if w > 1 else None for w in widths]
+        self.units = 0
+        self.stamp = stamp          # tier 3: the units ever released into tier 3, this batch included
+        self.batches = batches      # tier 3: the batches it is one of (chains or proven); None for a tier
+        self.counted = False        # tier 3: a hit on it was counted (once per batch)
+        self.young = False          # tier 3: last visited youngest-first
+
+    def queue(self, block) -> OrderedDict:
+        return self.loose if block.kind < 0 else self.composites[block.kind]
+
+    def entries(self) -> list:
+        out = list(self.loose.values())
+        for q in self.composites:
+            if q:
+                out += q.values()
+        return sorted(out, key=lambda b: b.order)
 
 
 class FreeQueue:
-    """Free loose units and free composites (per kind), with their common eviction order."""
+    """Free loose units and composites in tiers, their eviction order, and what it learns from hits."""
 
     def __init__(self, units: list, widths: tuple[int, ...]):
         self.widths = widths
-        self._loose: OrderedDict[int, object] = OrderedDict()
-        self._composites: list[OrderedDict | None] = [OrderedDict() if w > 1 else None for w in widths]
+        self._tiers = [Bin(widths) for _ in range(3)]
+        self._chains: OrderedDict[int, Bin] = OrderedDict()   # release batches, oldest first
+        self._proven: OrderedDict[int, Bin] = OrderedDict()
         self._back = 0
         self._front = 0
+        self.num_free_units = 0
+        self._reusable_units = 0      # units waiting in tier 3
+        self._clock = 0               # units ever released into tier 3: a batch's age is clock - stamp
+        # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
+        # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
+        self._cap = max(16, 2 * len(units))
+        self.children: OrderedDict[bytes, bytes] = OrderedDict()   # parent hash -> its first child seen
+        self.forks: OrderedDict[bytes, None] = OrderedDict()       # parents seen with two children
+        self._ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()  # hash -> (stamp, youngest-first)
+        self._distances: deque[int] = deque(maxlen=DISTANCES)
+        self._votes = 0
+        empty = self._tiers[EMPTY]
         for unit in units:
-            unit.order = self._back
-            self._back += 1
-            self._loose[unit.block_id] = unit
-        self.num_free_units = len(units)
+            self._push(unit, empty)
 
     def __len__(self) -> int:
         return self.num_free_units
 
     # -- where freed blocks go -----------------------------------------------------------------
-    def add_dropped(self, block) -> None:
-        """A running request no longer needs ``block`` (out of its window) and no one else holds it."""
-        self._push(block, front=not block.shared)
+    def add_dropped(self, blocks) -> None:
+        """``(block, reach)`` pairs a running request no longer needs (out of its window), no one else
+        holds, in table order. ``reach``: a hit can end just above the block at a fork of its chain
+        (``REACH_FORK``), at its prompt end (``REACH_PROMPT_END``), or nowhere known (``REACH_NONE``)."""
+        proven = []
+        tiers = self._tiers
+        for block, reach in blocks:
+            if block.block_hash is None:
+                self._push(block, tiers[EMPTY])
+            elif reach == REACH_FORK:
+                proven.append(block)
+            elif block.shared or reach == REACH_NONE:    # shared: consumed by a hit that extended the chain
+                self._push(block, tiers[UNREACHABLE])
+            else:
+                self._push(block, tiers[SPECULATIVE])
+        if proven:
+            self._release_batches([], proven)
 
-    def add_released(self, blocks) -> None:
-        """A finished or preempted request's table (in table order): it joins the back, tail first."""
-        for block in reversed(blocks):
-            self._push(block, front=False)
+    def add_released(self, blocks, preempted: bool = False) -> None:
+        """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
+        by group, each tail first (so the head of a shared prefix goes last). ``proven``: below a fork."""
+        chain, proven = [], []
+        for block, below_fork in blocks:
+            if block.block_hash is None:
+                self._push(block, self._tiers[EMPTY])
+            elif preempted or below_fork:
+                proven.append(block)
+            else:
+                chain.append(block)
+        if chain or proven:
+            self._release_batches(chain, proven)
 
     def add_leftover(self, units) -> None:
         """Units of a dissolved composite that a composition did not use: they hold nothing, so front."""
+        empty = self._tiers[EMPTY]
         for unit in reversed(units):
-            self._push(unit, front=True)
+            self._push(unit, empty, front=True)
 
     def remove(self, block) -> None:
-        """A prefix hit takes a free block back."""
-        queue = self._loose if block.kind < 0 else self._composites[block.kind]
-        del queue[block.block_id]
-        self.num_free_units -= len(block.units)
+        """A prefix hit takes a free block back. A hit on a tier-3 batch teaches the reuse distance."""
+        b = block.bin
+        if b.batches is not None and not b.counted:
+            b.counted = True
+            age = self._clock - b.stamp
+            if age > self._reusable_units:      # LRU would have evicted it by now
+                self._vote(1)
+            if b.batches is self._chains:
+                self._distances.append(age)
+        self._unlink(block, b)
+
+    # -- learning: forks and ghosts ------------------------------------------------------------
+    def learn(self, parent: bytes, child: bytes) -> None:
+        """A block of hash ``child`` after ``parent`` was cached: remember the first child, or a fork."""
+        children = self.children
+        first = children.get(parent)
+        if first is None:
+            children[parent] = child
+            if len(children) > self._cap:
+                children.popitem(last=False)
+        elif first == child:
+            children.move_to_end(parent)
+        elif parent not in self.forks:
+            self._fork(parent)
+
+    def note_lookup(self, hash_at, start: int, limit: int) -> None:
+        """After a lookup that hit ``start`` blocks of a prompt with ``limit`` usable ones: follow the chain
+        remembered past the hit. Where the request's chain leaves it, its parent is a fork; the deepest
+        ghost passed (an evicted tier-3 block) votes on tier 3's order."""
+        children = self.children
+        j = max(start, 1)
+        if j >= limit:
+            return
+        parent = hash_at(j - 1)
+        ghost = None
+        while j < limit:
+            child = children.get(parent)
+            if child is None:
+                break
+            h = hash_at(j)
+            if child != h:
+                if parent not in self.forks:
+                    self._fork(parent)
+                break
+            if h in self._ghosts:
+                ghost = h
+            parent = h
+            j += 1
+        if ghost is not None:
+            stamp, youngest = self._ghosts[ghost]
+            distance = self._clock - stamp
+            self._distances.append(distance)
+            if not youngest:
+                self._vote(1)               # LRU evicted what was needed: keep old chains
+            elif distance <= self._reusable_units:
+                self._vote(-PENALTY)        # youngest-first evicted what LRU would have kept
+
+    def _fork(self, parent: bytes) -> None:
+        self.forks[parent] = None
+        if len(self.forks) > self._cap:
+            self.forks.popitem(last=False)
+
+    def _vote(self, v: int) -> None:
+        self._votes = max(-VOTE_CAP, min(VOTE_CAP, self._votes + v))
 
     # -- which free entries a new block is made of ---------------------------------------------
     def take(self, kind: int) -> list:
         """Free entries to make one block of ``kind`` from (the caller checked that enough units are free):
         ``[composite of kind]`` to reuse as is, or entries whose units, in order, compose it."""
         k = self.widths[kind]
-        loose = self._loose
-        if k > 1:
-            same = self._composites[kind]
+        empty = self._tiers[EMPTY]
+        if len(empty.loose) >= k and not (k > 1 and empty.composites[kind]):
+            return self._pop_empty(k)                    # the common case while the pool has room
+        lower: list[Bin] = []
+        have = lower_loose = 0
+        for b in self._bins():
+            if not b.units:
+                continue
+            same = b.composites[kind]
             if same:
-                block = same[next(iter(same))]
-                if len(loose) < k or block.order < loose[next(iter(loose))].order:
-                    del same[block.block_id]
-                    self.num_free_units -= k
-                    return [block]
-            if len(loose) >= k:
-                return self._pop_loose(k)
-        elif loose:
-            return self._pop_loose(1)
-        out = self._pop_loose(len(loose))
-        have = len(out)
-        while have < k:
-            queue = min((q for q in self._composites if q), key=lambda q: q[next(iter(q))].order)
-            block = queue.popitem(last=False)[1]
-            self.num_free_units -= len(block.units)
-            have += len(block.units)
-            out.append(block)
+                c = same[next(iter(same))]
+                loose = b.loose
+                if not (lower_loose + len(loose) >= k
+                        and (lower_loose or loose[next(iter(loose))].order < c.order)):
+                    return [self._pop(c, b)]
+            if have + b.units >= k:
+                break
+            lower.append(b)
+            have += b.units
+            lower_loose += len(b.loose)
+        else:
+            raise RuntimeError(f"fewer than {k} free units for a block of group {kind}")
+        out = []
+        for low in lower:                      # fewer than k units in all: every entry goes
+            out += [self._pop(e, low) for e in low.entries()]
+        while have < k and b.loose:
+            out.append(self._pop(next(iter(b.loose.values())), b))
+            have += 1
+        while have < k:                        # dissolve the bin's frontmost composites of other kinds
+            q = min((q for q in b.composites if q), key=lambda q: q[next(iter(q))].order)
+            entry = self._pop(q[next(iter(q))], b)
+            out.append(entry)
+            have += len(entry.units)
         return out
 
-    def _pop_loose(self, n: int) -> list:
-        popitem = self._loose.popitem
-        self.num_free_units -= n
-        return [popitem(last=False)[1] for _ in range(n)]
+    def _bins(self):
+        """Every bin in eviction order: the three tiers, then tier 3's batches. The older front of chains
+        and proven batches first (LRU); keeping old chains, only while it is past the horizon, then the
+        chains youngest first, then the proven batches. Bins must not change while this runs."""
+        yield from self._tiers
+        cut = None
+        if self._votes >= THRESHOLD:
+            cut = self._clock - (max(self._distances) if self._distances else 0)
+        chains, proven = iter(self._chains.values()), iter(self._proven.values())
+        c, p = next(chains, None), next(proven, None)
+        while c is not None or p is not None:
+            older_chain = p is None or (c is not None and c.stamp <= p.stamp)
+            b = c if older_chain else p
+            if cut is not None and b.stamp >= cut:
+                break
+            b.young = False
+            yield b
+            if older_chain:
+                c = next(chains, None)
+            else:
+                p = next(proven, None)
+        if c is not None:
+            for b in reversed(self._chains.values()):
+                b.young = True
+                yield b
+                if b is c:
+                    break
+        while p is not None:
+            p.young = False
+            yield p
+            p = next(proven, None)
 
-    def _push(self, block, front: bool) -> None:
-        queue = self._loose if block.kind < 0 else self._composites[block.kind]
+    def _pop_empty(self, n: int) -> list:
+        """The ``n`` front loose units of the empty tier."""
+        empty = self._tiers[EMPTY]
+        popitem = empty.loose.popitem
+        out = [popitem(last=False)[1] for _ in range(n)]
+        for unit in out:
+            unit.bin = None
+        empty.units -= n
+        self.num_free_units -= n
+        return out
+
+    def _pop(self, entry, b: Bin):
+        """Take ``entry`` out of bin ``b`` for new content (a tier-3 entry with a hash leaves a ghost)."""
+        if b.batches is not None and entry.block_hash is not None:
+            ghosts = self._ghosts
+            ghosts[entry.block_hash] = (b.stamp, b.young)
+            ghosts.move_to_end(entry.block_hash)
+            if len(ghosts) > self._cap:
+                ghosts.popitem(last=False)
+        self._unlink(entry, b)
+        return entry
+
+    def _unlink(self, entry, b: Bin) -> None:
+        del b.queue(entry)[entry.block_id]
+        n = len(entry.units)
+        b.units -= n
+        self.num_free_units -= n
+        entry.bin = None
+        if b.batches is not None:
+            self._reusable_units -= n
+            if not b.units:
+                del b.batches[id(b)]
+
+    def _release_batches(self, chain: list, proven: list) -> None:
+        """One release into tier 3: both batches get the same stamp; the chain goes first on a tie."""
+        units = sum(len(x.units) for x in chain) + sum(len(x.units) for x in proven)
+        self._clock += units
+        self._reusable_units += units
+        for blocks, batches in ((chain, self._chains), (proven, self._proven)):
+            if blocks:
+                b = Bin(self.widths, self._clock, batches)
+                for block in blocks:
+                    self._push(block, b)
+                batches[id(b)] = b
+
+    def _push(self, block, b: Bin, front: bool = False) -> None:
+        queue = b.queue(block)
         queue[block.block_id] = block
         if front:
             self._front -= 1
@@ -108,15 +341,29 @@ class FreeQueue:
         else:
             block.order = self._back
             self._back += 1
-        self.num_free_units += len(block.units)
+        block.bin = b
+        n = len(block.units)
+        b.units += n
+        self.num_free_units += n
+
+    # -- reset, checks -------------------------------------------------------------------------
+    def forget(self) -> None:
+        """Every hash was dropped (``reset_prefix_cache``): every free entry holds nothing now; what was
+        learnt from hashes (children, forks, ghosts) goes too."""
+        entries = self.entries()
+        widths = self.widths
+        self.__init__([], widths)
+        empty = self._tiers[EMPTY]
+        for e in entries:
+            self._push(e, empty)
+        self._cap = max(16, 2 * self.num_free_units)
 
     def entries(self) -> list:
         """Every free entry (loose unit or composite) in eviction order, front first (tests, checks)."""
-        out = list(self._loose.values())
-        for queue in self._composites:
-            if queue:
-                out += queue.values()
-        return sorted(out, key=lambda b: b.order)
+        out = []
+        for b in self._bins():
+            out += b.entries()
+        return out
 
     def ids(self) -> list[int]:
         return [b.block_id for b in self.entries()]

@@ -8,6 +8,7 @@ A block of a group of ``width`` k is a composite of k pool units (``block_pool``
 from __future__ import annotations
 
 from .block_pool import NULL_BLOCK_ID, Block, BlockPool
+from .free_queue import REACH_FORK, REACH_NONE, REACH_PROMPT_END
 from .request import Request
 from .specs import NEVER, AttentionSpec
 
@@ -62,14 +63,38 @@ class KVCacheGroup:
             return 0
         return sum(1 for i in self._droppable(request_id, table, num_computed) if table[i].ref_cnt == 1)
 
-    def _drop(self, request_id: str, table: list[Block], num_computed: int) -> None:
-        span = self._droppable(request_id, table, num_computed)
+    def _drop(self, request: Request, table: list[Block], num_computed: int) -> None:
+        rid = request.request_id
+        span = self._droppable(rid, table, num_computed)
         if not span:
             return
         dropped = table[span.start:span.stop]
         table[span.start:span.stop] = [self.pool.null_block] * len(span)
-        self._num_dropped[request_id] = span.stop
-        self.num_held -= self.pool.release(dropped, dropped=True)   # the free queue decides where they wait
+        self._num_dropped[rid] = span.stop
+        freed = self.pool.unref(dropped)
+        if freed:
+            self.num_held -= len(freed)
+            self.pool.free.add_dropped(self._reach(request, span, dropped))   # the free queue decides where
+
+    def _reach(self, request: Request, span: range, dropped: list[Block]) -> list[tuple[Block, int]]:
+        """For each dropped block no one holds now: where a hit could still end just above it. At a fork
+        of the request's chain (a lookup or a cached block left it there), at the prompt end (a resend),
+        or nowhere known."""
+        bs = self.block_size
+        first = self.spec.first_needed_token
+        end = (len(request.prompt_token_ids) - 1) // bs
+        prompt_end = range(first(end * bs) // bs, end)
+        below_fork: set[int] = set()
+        forks = self.pool.free.forks
+        if forks:
+            hashes = request.block_hashes(bs, 0)
+            # hit ends e whose needed blocks [first(e * bs) // bs, e) meet the span
+            last = min(len(hashes), -(-self.spec.computed_to_reach(span.stop * bs) // bs) - 1)
+            for e in range(span.start + 1, last + 1):
+                if hashes[e - 1] in forks:
+                    below_fork.update(range(first(e * bs) // bs, e))
+        return [(b, REACH_FORK if i in below_fork else REACH_PROMPT_END if i in prompt_end else REACH_NONE)
+                for i, b in zip(span, dropped) if b.ref_cnt == 0]
 
     # -- allocation ----------------------------------------------------------------------------
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
@@ -77,11 +102,12 @@ class KVCacheGroup:
         have = (len(table) if table else 0) + num_hit_blocks
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def drop(self, request_id: str, num_computed: int) -> None:
+    def drop(self, request: Request, num_computed: int) -> None:
         """Free what the request no longer needs (cheap when, as on most decode steps, nothing is)."""
-        table = self.tables.get(request_id)
-        if table and self.spec.first_needed_token(num_computed) // self.block_size > self._num_dropped[request_id]:
-            self._drop(request_id, table, num_computed)
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if table and self.spec.first_needed_token(num_computed) // self.block_size > self._num_dropped[rid]:
+            self._drop(request, table, num_computed)
 
     def append(self, request: Request, hit: list[Block], num_new: int, num_cacheable: int) -> list[int]:
         """Append the (already referenced) hit blocks and ``num_new`` fresh ones, cache what is full;
@@ -113,7 +139,7 @@ class KVCacheGroup:
         for i in range(self._num_cached[rid], end):
             block = table[i]
             if block is not null and block.block_hash is None:
-                cache(block, gid, hashes[i])
+                cache(block, gid, hashes[i], hashes[i - 1] if i else None)
         self._num_cached[rid] = end
 
     def quiet_until(self, request: Request) -> tuple[int, int, int]:
@@ -125,13 +151,27 @@ class KVCacheGroup:
         drop_at = self.spec.computed_to_reach((self._num_dropped[rid] + 1) * bs) if self.drops else NEVER
         return len(self.tables[rid]) * bs, cache_at, drop_at
 
-    def free(self, request_id: str) -> None:
-        """Release a request's blocks (the free queue decides their eviction order)."""
-        table = self.tables.pop(request_id, None)
-        self._num_cached.pop(request_id, None)
-        dropped = self._num_dropped.pop(request_id, 0)
-        if table:
-            self.num_held -= self.pool.release([b for b in table[dropped:] if b.block_id != NULL_BLOCK_ID])
+    def release(self, request: Request, fork_ends: list[int]) -> list[tuple[Block, bool]]:
+        """Release a request's table; return the blocks no one holds any more, tail first, each with
+        whether a hit at one of the chain's forks (``fork_ends``, in blocks) needs it."""
+        rid = request.request_id
+        table = self.tables.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        dropped = self._num_dropped.pop(rid, 0)
+        if not table:
+            return []
+        bs = self.block_size
+        needed = [range(self.spec.first_needed_token(e * bs) // bs, e) for e in fork_ends if e <= len(table)]
+        out = []
+        for i in range(len(table) - 1, dropped - 1, -1):
+            block = table[i]
+            if block.block_id == NULL_BLOCK_ID:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                out.append((block, any(i in r for r in needed)))
+        self.num_held -= len(out)
+        return out
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables[request_id]]

@@ -128,9 +128,9 @@ class KVCacheManager:
         return hit, h
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; blocks in use stay where they are."""
-        self.pool.reset_prefix_cache()
-        return True
+        """Forget every cached hash (cached content became invalid, e.g. new weights). Only when no request
+        holds blocks: otherwise returns False and changes nothing (preempt or free them first)."""
+        return self.pool.reset_prefix_cache()
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -172,23 +172,23 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """The request is finished: release its blocks. It can never allocate again."""
         self._check_request(request)
-        self._release(request)
+        self._release(request, preempted=False)
         request.finished = True
 
     def preempt(self, request: Request) -> None:
         """Release a running request's blocks; it starts over (through the prefix cache) when resumed."""
         self._check_request(request)
-        self._release(request)
+        self._release(request, preempted=True)
         request.num_computed_tokens = 0
         self.stats.preemptions += 1
 
     # -- checks --------------------------------------------------------------------------------
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, preempted: bool) -> None:
         rid = request.request_id
         if self._running.get(rid) is not request:
             raise ValueError(f"request {rid!r} holds no blocks (never allocated, already freed or preempted)")
         del self._running[rid]
-        self.coordinator.free(rid)
+        self.coordinator.free(request, preempted)
 
     def _check_request(self, request) -> None:
         if not isinstance(request, Request):

@@ -323,9 +323,9 @@ def test_allocation_that_does_not_fit_returns_none_without_dropping():
     assert mgr.allocate_slots(r, 4) is None
     assert snapshot(mgr, r) == before
     assert mgr.get_block_ids("r") == ([1, 2, 3, 4],)
-    # 3 fit: 1, 2, 3 dropped to the front, the last one released first out: 3, 2, 1
-    assert mgr.allocate_slots(r, 3) == ([3, 2, 1],)
-    assert mgr.get_block_ids("r") == ([0, 0, 0, 4, 3, 2, 1],)
+    # 3 fit: 1, 2, 3 dropped (below no fork, not below the prompt end: unreachable), reused in order
+    assert mgr.allocate_slots(r, 3) == ([1, 2, 3],)
+    assert mgr.get_block_ids("r") == ([0, 0, 0, 4, 1, 2, 3],)
 
 
 def test_hit_that_does_not_fit_returns_none_and_leaves_its_blocks_cached_in_the_queue():

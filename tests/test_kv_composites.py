@@ -1,9 +1,11 @@
 """Groups wider than one pool unit: a block is a composite of k units, named by its first unit.
 
 Figures are traced by hand from the free queue (kvmanager/free_queue.py): units 1.. start loose, in id
-order; a block of a width-k kind reuses the front free composite of its kind unless k loose units wait
-in front of it, else composes k loose units, else dissolves the frontmost composite of another kind;
-finished tables join the back tail first, dropped unshared blocks the front, leftover units the front.
+order, in the empty tier; free entries wait in tiers (empty, unreachable, speculative, reusable) and a
+block of a width-k kind comes from the lowest tier that can serve it: there it reuses the front free
+composite of its kind unless k loose units wait in front of it, else composes k loose units (the lower
+tiers' first), else dissolves the frontmost composites of another kind; finished tables join the reusable
+tier tail first, dropped blocks the unreachable tier, leftover units the front of the empty tier.
 """
 import pytest
 
@@ -59,14 +61,16 @@ def test_another_kind_dissolves_a_free_composite_and_accounting_stays_in_units()
     assert run_step(mgr, a, 2) == ([1, 2], [3, 5])
     assert mgr.pop_compositions() == [(1, 3, (3, 4)), (1, 5, (5, 6))]
     assert mgr.num_free_blocks == 1                                                       # unit 7
-    # n=2: the window drops composites 3, 5 to the front (5 first); full takes loose 7, sliding reuses 5
-    assert decode(mgr, a, 3) == ([7], [5])
+    # n=2: the window (W=1) drops composites 3, 5, in that order, to the unreachable tier; full takes
+    # loose 7 (the empty tier), sliding reuses its front composite 3
+    assert decode(mgr, a, 3) == ([7], [3])
     assert mgr.pop_compositions() == []
     hashes = a.block_hashes(1)
-    # sliding cache: composite 3 still holds block 0; 5 forgot block 1 and holds block 2 (full, known)
-    assert {b.block_id: b.block_hash for b in mgr.pool.blocks if b.group == 1} == {3: hashes[0], 5: hashes[2]}
-    # n=3: the window drops composite 5 to the front; full needs a unit, none is loose: composite 5 is
-    # dissolved, unit 5 serves full attention, unit 6 waits loose at the front; sliding reuses composite 3
+    # sliding cache: composite 5 still holds block 1; 3 forgot block 0 and holds block 2 (full, known)
+    assert {b.block_id: b.block_hash for b in mgr.pool.blocks if b.group == 1} == {3: hashes[2], 5: hashes[1]}
+    # n=3: the window drops composite 3 (unreachable, behind 5); full needs a unit, none is loose:
+    # composite 5 is dissolved, unit 5 serves full attention, unit 6 waits loose in the empty tier; sliding
+    # finds one unit there, fewer than 2, and reuses composite 3
     assert decode(mgr, a, 4) == ([5], [3])
     assert mgr.pop_compositions() == []           # width-1 blocks are units: nothing to tell workers
     assert mgr.get_block_ids("a") == ([1, 2, 7, 5], [0, 0, 0, 3])
@@ -152,9 +156,11 @@ def test_gemma_3_27b_layout_two_groups_one_id_per_entry_capacity_in_units():
     assert [len(t) for t in mgr.allocate_slots(r, 1024)] == [64, 64]
     assert len(mgr.pop_compositions()) == 128
     r.num_computed_tokens = 2048
-    # n = 2048: the window starts at 1025: blocks 0..63 drop, to the front (block 63 first); the 64 new
-    # sliding blocks reuse them as they are, so only the 64 full blocks are new compositions
+    # n = 2048: the window starts at 1025: blocks 0..63 drop, cached, to the unreachable tier. 7962 units
+    # were never used: the new blocks are made of them (no cached block goes while they last), from unit
+    # 2 x 1984 + 1 on; the dropped composites wait whole, to be reused as they are once those run out
     new = mgr.allocate_slots(r, 1024)
-    assert new[0] == [26 * j + 1 for j in range(63, -1, -1)]
-    assert [len(c[2]) for c in mgr.pop_compositions()] == [5] * 64
+    assert new[0] == [3969 + 26 * j for j in range(64)] and new[1][0] == 3969 + 64 * 26
+    assert [len(c[2]) for c in mgr.pop_compositions()] == [26] * 64 + [5] * 64
     assert mgr.num_free_blocks == 11930 - 2 * 1984 - 64 * 5
+    assert mgr.pool.free.ids()[-64:] == [26 * j + 1 for j in range(64)]

@@ -1,7 +1,9 @@
 """KVCacheManager behaviour beyond the bare rules: eviction order, hashing, look-ahead, hybrid steps,
-preemption, accounting. Block ids are traced by hand from the free queue's order (ids 1.. in order at
-start; ``take`` pops the front; a finished request's blocks join the back tail first; blocks a running
-request drops, never shared, join the front)."""
+preemption, accounting. Block ids are traced by hand from the free queue's tiers (kvmanager/free_queue.py:
+ids 1.. in order at start, in the empty tier; a new block comes from the lowest non-empty tier, front
+first; blocks holding nothing go to the empty tier, dropped blocks below no fork and no prompt end to the
+unreachable one, a finished request's cached blocks to the back of the reusable tier, tail first).
+Scenarios for each tier are in tests/test_kv_retention.py."""
 import os
 import subprocess
 import sys
@@ -35,25 +37,28 @@ def test_running_requests_dropped_blocks_are_reused_before_a_finished_requests_t
     mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=7)    # ids 1..6
     a = Request("a", [10, 11, 12])
     assert run_step(mgr, a, 3) == ([1, 2, 3],)
-    # n=3: first needed 2 -> ids 1, 2 dropped to the front ([2, 1, 4, 5, 6]); the new token takes 2
-    assert decode(mgr, a, 13) == ([2],)
-    assert mgr.get_block_ids("a") == ([0, 0, 3, 2],)
-    mgr.free(a)                        # trailing window 3, 2 joins the back tail first: [1, 4, 5, 6, 2, 3]
+    # n=3: first needed 2 -> ids 1, 2 dropped: 1 unreachable, 2 (the window below a's prompt end, 2)
+    # speculative. The new token takes a never-used block, 4
+    assert decode(mgr, a, 13) == ([4],)
+    assert mgr.get_block_ids("a") == ([0, 0, 3, 4],)
+    mgr.free(a)                        # trailing window 4, 3: a chain, in the reusable tier
+    assert mgr.pool.free.ids() == [5, 6, 1, 2, 4, 3]
 
     b = Request("b", [20, 21, 22])
-    assert run_step(mgr, b, 3) == ([1, 4, 5],)        # queue [6, 2, 3]
-    # n=3 drops ids 1, 4 to the front ([4, 1, 6, 2, 3]): the new block is b's own dropped 4, not a's
-    assert decode(mgr, b, 23) == ([4],)
-    # n=4 drops id 5 ([5, 1, 6, 2, 3]), n=5 drops id 4 ([4, 1, 6, 2, 3])
-    assert decode(mgr, b, 24) == ([5],)
-    assert decode(mgr, b, 25) == ([4],)
-    assert mgr.get_block_ids("b") == ([0, 0, 0, 0, 5, 4],)
-    # (plain LRU would have handed b ids 6, 2, 3: a's window would be gone)
+    assert run_step(mgr, b, 3) == ([5, 6, 1],)        # queue [2, 4, 3]
+    # n=3 drops ids 5 (unreachable), 6 (speculative): the new block is b's own dropped 5, not a's window
+    assert decode(mgr, b, 23) == ([5],)
+    # n=4 drops id 1 (unreachable), n=5 drops id 5 (unreachable): each is reused at once
+    assert decode(mgr, b, 24) == ([1],)
+    assert decode(mgr, b, 25) == ([5],)
+    assert mgr.get_block_ids("b") == ([0, 0, 0, 0, 1, 5],)
+    assert mgr.pool.free.ids() == [2, 6, 4, 3]
+    # (plain LRU would have handed b ids 2, 4, 3: a's window would be gone)
 
     c = Request("c", [10, 11, 12, 13, 99])
     hit, h = mgr.get_computed_blocks(c)
-    # h=4 needs the last ceil(1/1) = 1 block before 4: a's block 3, id 2, still cached
-    assert (ids(hit), h) == ([[0, 0, 0, 2]], 4)
+    # h=4 needs the last ceil(1/1) = 1 block before 4: a's block 3, id 4, still cached
+    assert (ids(hit), h) == ([[0, 0, 0, 4]], 4)
 
 
 def test_finished_full_attention_request_is_evicted_tail_first():
@@ -67,25 +72,6 @@ def test_finished_full_attention_request_is_evicted_tail_first():
     assert run_step(mgr, Request("y", [8]), 1) == ([3],)
     hit, h = mgr.get_computed_blocks(Request("q", [1, 2, 3, 4, 5]))
     assert (ids(hit), h) == ([[1, 2]], 2)
-
-
-def test_a_dropped_block_shared_through_a_hit_keeps_lru_order_and_outlives_unshared_ones():
-    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=8)   # ids 1..7
-    r1 = Request("r1", [1, 2, 3])
-    assert run_step(mgr, r1, 3) == ([1, 2, 3],)
-    mgr.free(r1)                                       # queue [4, 5, 6, 7, 3, 2, 1]
-    r2 = Request("r2", [1, 2, 3, 4])
-    hit, h = mgr.get_computed_blocks(r2)
-    assert (ids(hit), h) == ([[0, 0, 3]], 3)          # h=3 needs block 2 only
-    assert mgr.allocate_slots(r2, 1, num_new_computed_tokens=3, new_computed_blocks=hit) == ([0, 0, 3, 4],)
-    r2.num_computed_tokens = 4                         # queue [5, 6, 7, 2, 1]
-    # n=4 drops block 2 (id 3, shared): to the back, [5, 6, 7, 2, 1, 3]; the new token takes 5
-    assert decode(mgr, r2, 5) == ([5],)
-    # n=5 drops block 3 (id 4, only r2's): to the front, [4, 6, 7, 2, 1, 3]; the new token takes it back
-    assert decode(mgr, r2, 6) == ([4],)
-    assert run_step(mgr, Request("x", [9, 9, 9, 9]), 4) == ([6, 7, 2, 1],)
-    hit, h = mgr.get_computed_blocks(Request("p", [1, 2, 3, 4]))
-    assert (ids(hit), h) == ([[0, 0, 3]], 3)
 
 
 def test_a_dropped_block_another_request_still_holds_frees_nothing():
@@ -111,10 +97,10 @@ def test_two_copies_of_a_prefix_either_one_serves_a_hit():
     assert run_step(mgr, r1, 5) == ([1, 2, 3],)
     assert run_step(mgr, r2, 5) == ([4, 5, 6],)        # no lookup: computes its own copy
     mgr.free(r1)
-    mgr.free(r2)                                       # queue [3, 2, 1, 6, 5, 4]
-    assert run_step(mgr, Request("x", [7] * 6), 6) == ([3, 2, 1],)   # r1's copy evicted
+    mgr.free(r2)               # partial blocks 3, 6 hold nothing: first; then r1's chain 2, 1, r2's 5, 4
+    assert run_step(mgr, Request("x", [7] * 6), 6) == ([3, 6, 2],)   # r1's block 1 evicted
     hit, h = mgr.get_computed_blocks(Request("p", [1, 2, 3, 4, 5]))
-    assert (ids(hit), h) == ([[4, 5]], 4)
+    assert (ids(hit), h) == ([[1, 5]], 4)              # r1's block 0, r2's block 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,22 +202,27 @@ def test_preempted_request_resumes_through_its_own_cached_blocks():
     # 10 tokens known, at most 9 reusable -> 8; full blocks 0..3; sliding needs the last ceil(2/2) = 1
     # block before 8 (block 3, id 9)
     assert (ids(hit), h) == ([[1, 2, 3, 4], [0, 0, 0, 9]], 8)
-    # queue after the preemption: sliding's dropped 8, 7, 6 at the front (dropped at n=9 in that order,
-    # each to the front), then 11..19, then the freed tables tail first: 5, 4, 3, 2, 1, 10, 9.
-    # Tokens 8, 9 need one new block per group: 8 (full), 7 (sliding); block 4 is recomputed
-    assert mgr.allocate_slots(r, 2, num_new_computed_tokens=8, new_computed_blocks=hit) == ([1, 2, 3, 4, 8],
-                                                                                            [0, 0, 0, 9, 7])
+    # queue after the preemption: never-used 11..19; sliding's dropped 6, 7, 8 (unreachable); the
+    # preempted tables tail first, proven reusable: 5, 4, 3, 2, 1, 10, 9.
+    # Tokens 8, 9 need one new block per group: 11 (full), 12 (sliding); block 4 is recomputed
+    assert mgr.pool.free.ids() == list(range(11, 20)) + [6, 7, 8, 5, 4, 3, 2, 1, 10, 9]
+    assert mgr.allocate_slots(r, 2, num_new_computed_tokens=8, new_computed_blocks=hit) == ([1, 2, 3, 4, 11],
+                                                                                            [0, 0, 0, 9, 12])
 
 
-def test_reset_prefix_cache_forgets_hashes_but_keeps_running_tables():
+def test_reset_prefix_cache_refuses_while_a_request_runs_then_forgets_every_hash():
     mgr = KVCacheManager([FullAttention(block_size=2)], num_blocks=10)
     r1 = Request("r1", [1, 2, 3, 4, 5])
     run_step(mgr, r1, 5)
     assert mgr.get_computed_blocks(Request("p", [1, 2, 3, 4, 5]))[1] == 4
-    mgr.reset_prefix_cache()
-    assert mgr.get_computed_blocks(Request("q", [1, 2, 3, 4, 5]))[1] == 0
-    assert mgr.get_block_ids("r1") == ([1, 2, 3],)
-    assert mgr.num_free_blocks == 9 - 3
+    assert mgr.reset_prefix_cache() is False          # r1 holds blocks: nothing changes
+    assert mgr.get_computed_blocks(Request("q", [1, 2, 3, 4, 5]))[1] == 4
+    assert mgr.get_block_ids("r1") == ([1, 2, 3],) and mgr.num_free_blocks == 9 - 3
+    mgr.free(r1)
+    assert mgr.reset_prefix_cache() is True
+    assert mgr.get_computed_blocks(Request("s", [1, 2, 3, 4, 5]))[1] == 0
+    assert mgr.num_free_blocks == 9
+    assert mgr.pool.free.ids() == [4, 5, 6, 7, 8, 9, 3, 2, 1]     # every block in the empty tier, in order
 
 
 def test_free_everything_restores_the_pool_and_usage():

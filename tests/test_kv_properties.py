@@ -13,6 +13,7 @@ from kvmanager import (NULL_BLOCK_ID, ChunkedLocalAttention, FullAttention, KVCa
                        SlidingWindow)
 from kvmanager.block_pool import BlockPool
 from kvmanager.coordinator import GroupCoordinator
+from kvmanager.free_queue import REACH_NONE
 
 BLOCK_SIZES = st.sampled_from([1, 2, 4])
 SPEC = st.one_of(
@@ -101,7 +102,7 @@ def test_coordinator_find_hit_equals_oracle_on_real_cached_blocks(specs, length,
             if c:                                 # fill a block, enter it into the group's cache, free it
                 (blk,) = pool.take(1, g)
                 pool.cache(blk, g, hashes[j])
-                pool.release([blk])
+                pool.free.add_released([(b, False) for b in pool.unref([blk])])
                 ids[j] = blk.block_id
         cached.append(set(ids))
         where.append(ids)
@@ -120,8 +121,8 @@ def test_coordinator_find_hit_equals_oracle_on_real_cached_blocks(specs, length,
 def test_manager_get_computed_blocks_equals_oracle_after_real_eviction(specs, length, data):
     prompt = [(5 * i + 3) % 7 for i in range(length)]
     held = sum(-(-length // s.block_size) for s in specs)
-    # generous fresh blocks, so that the filler below evicts exactly the chosen blocks and fresh ones
-    mgr = KVCacheManager(specs, num_blocks=1 + held + 12 * held + 8, max_model_len=1000)
+    # a pool the request fills exactly, so that the allocation below evicts exactly the chosen blocks
+    mgr = KVCacheManager(specs, num_blocks=1 + held, max_model_len=1000)
     src = Request("src", prompt)
     assert mgr.allocate_slots(src, length) is not None            # one chunk: every full block cached
     tables = mgr.get_block_ids("src")
@@ -133,14 +134,13 @@ def test_manager_get_computed_blocks_equals_oracle_after_real_eviction(specs, le
         cached.append({j for j in range(n_full) if keep[j]})
         evict += [tables[g][j] for j in range(n_full) if not keep[j]]
     pool = mgr.pool
-    for bid in evict:                                   # to the front of the free queue ...
+    for bid in evict:              # as if a running request had dropped them: below the finished chain ...
         pool.touch([pool.blocks[bid]])
-        pool.blocks[bid].shared = False                 # as if its only holder dropped it: to the front
-        pool.release([pool.blocks[bid]], dropped=True)
-    if evict:                                           # ... where a new request's allocation takes them
-        filler = Request("filler", [99] * (len(evict) * 4))
-        assert mgr.allocate_slots(filler, filler.num_tokens) is not None
-        assert all(pool.blocks[bid].ref_cnt == 1 for bid in evict)      # reused for the filler's tokens
+        pool.blocks[bid].shared = False
+        pool.free.add_dropped([(b, REACH_NONE) for b in pool.unref([pool.blocks[bid]])])
+    empty = sum(1 for b in pool.blocks[1:] if b.block_hash is None)   # partial blocks: they go first
+    taken = pool.take(empty + len(evict), 0)            # ... where new blocks come from
+    assert {b.block_id for b in taken} >= set(evict)
     q = Request("q", prompt)
     hit, h = mgr.get_computed_blocks(q)
     assert h == oracle_hit(specs, cached, length)
@@ -288,8 +288,13 @@ class KVMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self):
-        self.mgr.reset_prefix_cache()
-        assert all(b.block_hash is None for b in self.mgr.pool.blocks)
+        before = snapshot(self.mgr)
+        done = self.mgr.reset_prefix_cache()
+        assert done is (not self.running)        # refused while any request holds blocks ...
+        if done:
+            assert all(b.block_hash is None for b in self.mgr.pool.blocks)
+        else:
+            assert snapshot(self.mgr) == before  # ... and then nothing changed
 
     # -- invariants ------------------------------------------------------------------------------------
     @invariant()

@@ -240,30 +240,34 @@ def test_longest_hit_tests_each_block_at_most_once():
 # Hit rule through the manager and the real pool
 # ---------------------------------------------------------------------------------------------------------
 def test_brief_abcde_window_2_only_d_cached_hits_4_tokens():
-    """W=2, B=1. "Only D cached" is produced by the pool itself: r1 computes ABCD, its decode drops A, B, C
-    to the front of the free queue, its new token takes C's block and r2's two tokens take A's and B's."""
+    """W=2, B=1. "Only D cached" is produced by the pool itself: r1 computes ABCD; its decode drops A, B
+    (no hit can end above them: unreachable) and C (the window below its prompt end: speculative); r2 then
+    takes the never-used blocks, then A's, B's and C's, in that order."""
     A, B, C, D, E, X = 10, 11, 12, 13, 14, 99
-    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=8)   # ids 1..7
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=9)   # ids 1..8
     r1 = Request("r1", [A, B, C, D])
     assert mgr.allocate_slots(r1, 4) == ([1, 2, 3, 4],)          # A=1 B=2 C=3 D=4
     r1.num_computed_tokens = 4
     r1.append_output_token_ids([X])
-    # n=4: first needed 4-2+1 = 3 -> blocks 0..2 (ids 1,2,3) dropped to the front, C's (3) last in front
-    assert mgr.allocate_slots(r1, 1) == ([3],)
-    assert mgr.get_block_ids("r1") == ([0, 0, 0, 4, 3],)
-    r2 = Request("r2", [50, 51])
-    assert mgr.allocate_slots(r2, 2) == ([2, 1],)                 # B's and A's blocks reused
+    # n=4: first needed 4-2+1 = 3 -> blocks 0..2 (ids 1, 2, 3) dropped; never-used 5 serves X
+    assert mgr.allocate_slots(r1, 1) == ([5],)
+    assert mgr.get_block_ids("r1") == ([0, 0, 0, 4, 5],)
+    assert mgr.pool.free.ids() == [6, 7, 8, 1, 2, 3]              # empty, unreachable, speculative
+    r2 = Request("r2", [50, 51, 52, 53, 54, 55])
+    assert mgr.allocate_slots(r2, 6) == ([6, 7, 8, 1, 2, 3],)
 
     probe = Request("probe", [A, B, C, D, E])
     hashes = probe.block_hashes(1)
     assert [mgr.pool.is_cached(0, h) for h in hashes] == [False, False, False, True, False]
+    r2.num_computed_tokens = 6
+    mgr.free(r2)                                                  # r2's chain, tail first: 3, 2, 1, 8, 7, 6
 
     req = Request("r3", [A, B, C, D, E])
     hit, h = mgr.get_computed_blocks(req)
     # h=4 needs the last ceil((2-1)/1) = 1 block before 4: block 3 (D), which is cached
     assert h == 4
     assert [b.block_id for b in hit[0]] == [0, 0, 0, 4]
-    assert mgr.allocate_slots(req, 1, num_new_computed_tokens=4, new_computed_blocks=hit) == ([0, 0, 0, 4, 5],)
+    assert mgr.allocate_slots(req, 1, num_new_computed_tokens=4, new_computed_blocks=hit) == ([0, 0, 0, 4, 3],)
     assert mgr.pool.blocks[4].ref_cnt == 2                        # D shared by r1 and r3
 
 
@@ -292,25 +296,16 @@ def test_hybrid_hit_is_a_multiple_of_the_lcm_of_block_sizes():
 
 
 def test_hybrid_hit_limited_by_the_group_with_the_shortest_hit():
-    # full B=1 + sliding W=3 B=1; r1's sliding run drops its early blocks, which other work then evicts
+    # full B=1 + sliding W=3 B=1; r1 finishes, then a new request evicts the tail of its full-attention chain
     mgr = KVCacheManager([FullAttention(block_size=1), SlidingWindow(block_size=1, window=3)], num_blocks=13)
     r1 = Request("r1", list(range(6)))
-    # 6 tokens: full takes ids 1..6, sliding 7..12
+    # 6 tokens: full takes ids 1..6, sliding 7..12; all 12 blocks full of known tokens, so all cached
     assert mgr.allocate_slots(r1, 6) == ([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12])
     r1.num_computed_tokens = 6
-    r1.append_output_token_ids([6])
-    # n=6, sliding first needed 6-3+1 = 4: sliding blocks 0..3 (ids 7..10) go to the front of the empty
-    # free queue, the last released first: 10, 9, 8, 7. The step needs one block per group: 10 and 9.
-    # (The pool is full: the full group's block can only come from the sliding group's drop.)
-    new = mgr.allocate_slots(r1, 1)
-    assert new is not None and sorted(new[0] + new[1]) == [9, 10]
-    # sliding cached now: blocks 0 (id 7), 1 (8), 4 (11), 5 (12), 6 (9); full: all of 0..6
+    mgr.free(r1)      # one chain, group by group, each tail first: 6, 5, 4, 3, 2, 1, 12, 11, 10, 9, 8, 7
+    assert mgr.allocate_slots(Request("x", [77]), 1) == ([6], [5])     # full blocks 5 and 4 evicted
     hit, h = mgr.get_computed_blocks(Request("r2", list(range(6)) + [55]))
-    # at most 6 tokens; sliding h=6 needs blocks 4,5 (ids 11,12): cached; full needs 0..5: cached
-    assert h == 6
-    assert [[b.block_id for b in g] for g in hit] == [[1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 11, 12]]
-    hit, h = mgr.get_computed_blocks(Request("r3", list(range(4)) + [55]))
-    # at most 4: sliding h=4 needs blocks 2,3 (ids 9, 10, both reused): no; h=3 needs 1,2: 2 is gone;
-    # h=2 needs 0,1 (ids 7, 8): cached, and full has 0,1 -> 2
-    assert h == 2
-    assert [[b.block_id for b in g] for g in hit] == [[1, 2], [7, 8]]
+    # at most 6 tokens. Sliding alone: h=6 needs blocks 4, 5 (ids 11, 12), cached. Full: blocks 0..3 only,
+    # so 4; at 4 sliding needs blocks 2, 3 (ids 9, 10): cached -> 4
+    assert h == 4
+    assert [[b.block_id for b in g] for g in hit] == [[1, 2, 3, 4], [0, 0, 9, 10]]

@@ -1,0 +1,434 @@
+"""Prefix-cache retention (issue 8): which cached blocks outlive which, tier by tier, with exact figures.
+
+Free blocks wait in tiers (kvmanager/free_queue.py) and a new block comes from the lowest non-empty one:
+0 empty (holds nothing), 1 unreachable (dropped below no fork and no prompt end, or a window a follow-up
+consumed), 2 speculative (dropped below the prompt end), 3 reusable (finished chains; blocks proven
+shared, below a fork or of a preempted request), LRU until ghost hits show LRU thrashing. Figures are
+traced by hand from those rules and the BRIEF's hit rule (a sliding window W, block B, needs the last
+ceil((W-1)/B) blocks below a hit's end).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager.block_pool import Block, BlockPool
+from kvmanager.free_queue import REACH_NONE, THRESHOLD, FreeQueue
+
+
+def ids(hit):
+    return [[b.block_id for b in g] for g in hit]
+
+
+def run_step(mgr, req, n):
+    new = mgr.allocate_slots(req, n)
+    assert new is not None
+    req.num_computed_tokens += n
+    return new
+
+
+def decode(mgr, req, token):
+    req.append_output_token_ids([token])
+    return run_step(mgr, req, 1)
+
+
+def serve(mgr: KVCacheManager, req: Request, chunk: int, output=()) -> int:
+    """One request alone: look up, prefill in chunks, decode ``output`` (its last token is sampled, never
+    computed), free. Returns its hit."""
+    hit_blocks, hit = mgr.get_computed_blocks(req)
+    n = min(chunk, req.num_tokens - hit)
+    assert mgr.allocate_slots(req, n, hit, hit_blocks) is not None
+    req.num_computed_tokens = hit + n
+    while req.num_computed_tokens < req.num_tokens:
+        n = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert mgr.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+    for i, tok in enumerate(output):
+        req.append_output_token_ids([tok])
+        if i + 1 < len(output):
+            assert mgr.allocate_slots(req, 1) is not None
+            req.num_computed_tokens += 1
+    mgr.free(req)
+    return hit
+
+
+# ---------------------------------------------------------------------------------------------------------
+# With room in the pool, every cached block stays findable (goal 1; vLLM 0.33 dense gets the same hits)
+# ---------------------------------------------------------------------------------------------------------
+SHARED_LAYOUTS = {
+    "sliding-only": [SlidingWindow(16, window=512)],
+    "hybrid": [FullAttention(16), SlidingWindow(16, window=512)],
+}
+SYSTEM_PROMPT = [(i * 7) % 30000 + 1 for i in range(2000)]
+
+
+def prefill(mgr: KVCacheManager, req: Request, chunk: int) -> None:
+    """Look the request up, then compute its whole prompt in chunks of ``chunk`` tokens."""
+    hit, n = mgr.get_computed_blocks(req)
+    assert mgr.allocate_slots(req, min(chunk, req.num_tokens - n), n, hit) is not None
+    req.num_computed_tokens = n + min(chunk, req.num_tokens - n)
+    while req.num_computed_tokens < req.num_tokens:
+        step = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert mgr.allocate_slots(req, step) is not None
+        req.num_computed_tokens += step
+
+
+@pytest.mark.parametrize("layout", SHARED_LAYOUTS)
+def test_second_request_hits_the_whole_2000_token_system_prompt_in_a_99_percent_empty_pool(layout):
+    # The repro of issue 8 (shared/repro/repro_shared_system_prompt.py). System prompt: 2000 tokens = 125
+    # full blocks of 16. A (system + 600 tokens) prefills in 256-token chunks, so its sliding group (W 512)
+    # drops the system prompt's blocks as it passes them. B (system + 50) arrives while A still runs: its
+    # longest prefix shared with A is the system prompt; the window below it (blocks 93..124) and, for
+    # hybrid, blocks 0..124 of the full group were all cached, and the 20000-block pool never ran short,
+    # so all 2000 tokens hit (vLLM 0.33: 2000 on both layouts).
+    mgr = KVCacheManager(SHARED_LAYOUTS[layout], num_blocks=20000, max_model_len=65536)
+    a = Request("a", SYSTEM_PROMPT + [5] * 600)
+    prefill(mgr, a, 256)
+    assert mgr.num_free_blocks > 19000        # 99% of the pool is free
+    assert mgr.get_computed_blocks(Request("b", SYSTEM_PROMPT + [9] * 50))[1] == 2000
+
+
+@pytest.mark.parametrize("layout", SHARED_LAYOUTS)
+def test_third_sibling_hits_the_system_prompt_after_the_second_has_finished(layout):
+    # Same system prompt, three requests one after the other, each finished before the next: B hits 2000
+    # (as above), computes its 50-token question and finishes; C hits 2000 too. Nothing is ever evicted.
+    mgr = KVCacheManager(SHARED_LAYOUTS[layout], num_blocks=20000, max_model_len=65536)
+    hits = []
+    for rid, question in (("a", [5] * 600), ("b", [9] * 50), ("c", [11] * 70)):
+        req = Request(rid, SYSTEM_PROMPT + question)
+        hits.append(mgr.get_computed_blocks(req)[1])
+        prefill(mgr, req, 256)
+        mgr.free(req)
+    assert hits == [0, 2000, 2000]
+
+
+def conversations(seed: int = 0):
+    """8 conversations x 3 turns: turn 0 is 1900 tokens, each later turn adds the previous answer (100
+    tokens) and a new message (200 tokens). Token ids differ between conversations from token 0."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(8):
+        turns, history = [], [c + 1] + [rng.randint(1, 30000) for _ in range(1899)]
+        for _ in range(3):
+            answer = [rng.randint(1, 30000) for _ in range(100)]
+            turns.append((list(history), answer))
+            history = history + answer + [rng.randint(1, 30000) for _ in range(200)]
+        out.append(turns)
+    return out
+
+
+def test_every_replayed_turn_hits_its_whole_prompt_on_full_plus_sliding_128():
+    # In the spirit of vLLM's test_prefix_cache_hit_rate: 8 conversations x 3 turns served, then replayed.
+    # Prompts: 1900, 2200, 2500 tokens. All 24 requests hold at most (2500 + 100) / 16 = 163 blocks per
+    # group; everything ever cached is under 24 x 2 x 163 < 8000 blocks, so the 12000-block pool never
+    # evicts. A replay hits its whole prompt but the last token, in blocks: floor((P - 1) / 16) * 16 =
+    # 1888, 2192, 2496 (the previous policy: 1888, 1888, then 0 for the replays of turn 0).
+    mgr = KVCacheManager([FullAttention(16), SlidingWindow(16, window=128)], num_blocks=12000, max_model_len=8192)
+    convs = conversations()
+    for c, turns in enumerate(convs):
+        for t, (prompt, answer) in enumerate(turns):
+            serve(mgr, Request(f"c{c}t{t}", prompt), 512, answer)
+    replays = [[serve(mgr, Request(f"replay-c{c}t{t}", prompt), 512, answer) for t, (prompt, answer) in enumerate(turns)]
+               for c, turns in enumerate(convs)]
+    assert replays == [[1888, 2192, 2496]] * 8
+
+
+def test_each_follow_up_turn_hits_the_previous_turn_through_its_answer():
+    # Turn t+1's prompt = turn t's prompt + its 100-token answer + 200 new tokens. Turn t computed its
+    # prompt and 99 of its answer tokens (the last sampled token is never computed), so turn t+1 reuses
+    # floor((P_t + 99) / 16) * 16 tokens: 1984 for turn 1 (P_0 = 1900), 2288 for turn 2 (P_1 = 2200).
+    mgr = KVCacheManager([FullAttention(16), SlidingWindow(16, window=128)], num_blocks=12000, max_model_len=8192)
+    hits = [[serve(mgr, Request(f"c{c}t{t}", prompt), 512, answer) for t, (prompt, answer) in enumerate(turns)]
+            for c, turns in enumerate(conversations(seed=1))]
+    assert hits == [[0, 1984, 2288]] * 8
+
+
+def test_finished_requests_window_outlives_a_later_requests_dropped_blocks():
+    # Under pressure. W 64, block 16: a hit needs the 4 blocks below its end. A (200 tokens) finishes
+    # holding blocks 8..11 (its last window, cached) and the partial block 12. B (2000 unrelated tokens,
+    # 64-token chunks) then streams 125 blocks through a 29-block pool, holding at most 9 at a time: the
+    # pool evicts 100 cached blocks, and B's own dropped blocks (needed by no one) are enough. A's
+    # follow-up (A's 200 tokens + 50 new) still hits floor(200 / 16) * 16 = 192 (vLLM dense's LRU: 0).
+    mgr = KVCacheManager([SlidingWindow(16, window=64)], num_blocks=30, max_model_len=4096)
+    a_tokens = [(i * 13) % 1000 + 1 for i in range(200)]
+    assert serve(mgr, Request("a", a_tokens), 64) == 0
+    assert serve(mgr, Request("b", [(i * 17) % 1000 + 2001 for i in range(2000)]), 64) == 0
+    assert mgr.get_computed_blocks(Request("a2", a_tokens + [7] * 50))[1] == 192
+
+
+def test_reset_prefix_cache_with_a_running_request_returns_false_and_keeps_every_hit():
+    # A (64 tokens) is computed and finished, B (32 other tokens) still runs. A reset drops hashes the
+    # engine may no longer trust, but B holds blocks: it refuses (False), keeps A's hit (60 tokens:
+    # floor(63 / 4) * 4) and the free count; once B is freed it succeeds and forgets A.
+    mgr = KVCacheManager([FullAttention(4), SlidingWindow(4, window=8)], num_blocks=200, max_model_len=512)
+    a_tokens = [random.Random(1).randint(1, 50) for _ in range(64)]
+    assert serve(mgr, Request("a", a_tokens), 64) == 0
+    b = Request("b", [60] * 32)
+    assert run_step(mgr, b, 32) is not None
+    free = mgr.num_free_blocks
+    assert mgr.reset_prefix_cache() is False
+    assert mgr.num_free_blocks == free
+    assert mgr.get_computed_blocks(Request("a2", a_tokens))[1] == 60
+    mgr.free(b)
+    assert mgr.reset_prefix_cache() is True
+    assert mgr.get_computed_blocks(Request("a3", a_tokens))[1] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tier 0: blocks holding nothing go first
+# ---------------------------------------------------------------------------------------------------------
+def test_a_finished_requests_partial_block_and_never_used_blocks_go_before_its_cached_chain():
+    mgr = KVCacheManager([FullAttention(block_size=2)], num_blocks=9)              # ids 1..8
+    a = Request("a", [1, 2, 3, 4, 5])
+    assert run_step(mgr, a, 5) == ([1, 2, 3],)     # block 2 (id 3) holds one token: never cached
+    mgr.free(a)
+    assert mgr.pool.free.ids() == [4, 5, 6, 7, 8, 3, 2, 1]
+    # 12 tokens, 6 blocks: exactly the 6 that hold nothing; a's chain stays whole
+    assert run_step(mgr, Request("x", [9] * 12), 12) == ([4, 5, 6, 7, 8, 3],)
+    assert mgr.get_computed_blocks(Request("a2", [1, 2, 3, 4, 5]))[1] == 4
+    # the next block evicts the tail of a's chain first
+    assert run_step(mgr, Request("y", [8]), 1) == ([2],)
+    assert mgr.get_computed_blocks(Request("a3", [1, 2, 3, 4, 5]))[1] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiers 1 and 2: dropped blocks, by where a hit could still end above them
+# ---------------------------------------------------------------------------------------------------------
+def test_dropped_interior_blocks_go_first_then_the_window_below_the_prompt_end_then_finished_chains():
+    # W=4, B=1: a hit needs the 3 blocks below its end. a: an 8-token prompt, computed in one step (ids 1..8)
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=4)], num_blocks=10)   # ids 1..9
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    a = Request("a", prompt)
+    assert run_step(mgr, a, 8) == ([1, 2, 3, 4, 5, 6, 7, 8],)
+    # n=8: first needed 5, blocks 0..4 (ids 1..5) drop. A resend of the prompt hits at most 7 tokens, which
+    # needs blocks 4..6: block 4 (id 5) is speculative, blocks 0..3 (ids 1..4) unreachable
+    assert decode(mgr, a, 19) == ([9],)
+    a.num_computed_tokens = 9
+    mgr.free(a)                                    # chain: a's window, tail first 9, 8, 7, 6
+    assert mgr.pool.free.ids() == [1, 2, 3, 4, 5, 9, 8, 7, 6]
+    assert run_step(mgr, Request("b", [90, 91, 92, 93]), 4) == ([1, 2, 3, 4],)
+    resend, follow_up = prompt, prompt + [19, 20]
+    assert mgr.get_computed_blocks(Request("r1", resend))[1] == 7          # blocks 4..6: ids 5, 6, 7
+    assert mgr.get_computed_blocks(Request("f1", follow_up))[1] == 9       # blocks 6..8: ids 7, 8, 9
+    assert run_step(mgr, Request("c", [80]), 1) == ([5],)                  # the speculative block next
+    assert mgr.get_computed_blocks(Request("r2", resend))[1] == 0          # no window of 3 left below 8
+    assert mgr.get_computed_blocks(Request("f2", follow_up))[1] == 9       # the chain is whole
+
+
+def test_a_window_a_follow_up_consumed_goes_before_the_chain_it_extended():
+    # W=2, B=1: a hit needs 1 block below its end. r1 (3 tokens) finishes; r2, its follow-up, hits 3 on
+    # r1's last block (id 3), then its window moves past it: id 3 was shared by a hit that extended the
+    # chain (no fork), so no plausible hit ends above it any more: unreachable
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=5)    # ids 1..4
+    assert serve(mgr, Request("r1", [1, 2, 3]), 8) == 0
+    r2 = Request("r2", [1, 2, 3, 4])
+    hit, h = mgr.get_computed_blocks(r2)
+    assert (ids(hit), h) == ([[0, 0, 3]], 3)
+    assert mgr.allocate_slots(r2, 1, 3, hit) == ([0, 0, 3, 4],)         # 4: the last never-used block
+    r2.num_computed_tokens = 4
+    # n=4 drops block 2 (id 3): unreachable, before r1's leftover chain 2, 1: reused at once
+    assert decode(mgr, r2, 5) == ([3],)
+    assert mgr.pool.free.ids() == [2, 1]
+    assert mgr.get_computed_blocks(Request("p", [1, 2, 9]))[1] == 2       # r1's block 1 (id 2) still cached
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tier 3: forks, learnt from hashes alone (a sliding-only model too), outlive interior blocks
+# ---------------------------------------------------------------------------------------------------------
+def test_a_lookup_that_leaves_a_running_requests_chain_marks_a_fork_whose_window_outlives_interior_drops():
+    # Sliding only, W=4, B=1 (a hit needs 3 blocks). System prompt S: 6 tokens. a = S + 2 tokens computes
+    # (ids 1..8). b = S + 3 other tokens looks up: it hits 6 (blocks 3..5 of a) and its chain leaves a's
+    # after block 5: a fork at the end of S, learnt without any full-attention group.
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=4)], num_blocks=16)   # ids 1..15
+    system = [41, 42, 43, 44, 45, 46]
+    a = Request("a", system + [1, 2])
+    assert run_step(mgr, a, 8) == ([1, 2, 3, 4, 5, 6, 7, 8],)
+    assert mgr.get_computed_blocks(Request("b", system + [7, 8, 9]))[1] == 6
+    # a's decode (n=8) drops blocks 0..4 (ids 1..5). The hit at the fork (6) needs blocks 3..5: ids 4, 5 are
+    # proven (reusable tier); ids 1..3 lie below no fork and not below a's prompt end: unreachable
+    assert decode(mgr, a, 3) == ([9],)
+    free = mgr.pool.free
+    assert free.ids() == [10, 11, 12, 13, 14, 15, 1, 2, 3, 4, 5]
+    # 9 more blocks: the 6 never used, then the 3 unreachable; the fork's window is still whole
+    assert run_step(mgr, Request("x", [99] * 9), 9) == ([10, 11, 12, 13, 14, 15, 1, 2, 3],)
+    c = Request("c", system + [5, 5])
+    hit, h = mgr.get_computed_blocks(c)
+    assert (ids(hit), h) == ([[0, 0, 0, 4, 5, 6]], 6)    # block 5 (id 6): a still holds it
+
+
+def test_a_finished_chain_keeps_its_blocks_below_a_fork_apart_from_its_own_tail():
+    # Full attention, B=1. a (6 tokens) and b (the same 4 then 2 others) are computed: b's blocks 4, 5 fork
+    # from a's after block 3. When a finishes, blocks 0..3 (below the fork) are proven, 4, 5 a's own chain.
+    mgr = KVCacheManager([FullAttention(block_size=1)], num_blocks=13)             # ids 1..12
+    a = Request("a", [1, 2, 3, 4, 5, 6])
+    assert run_step(mgr, a, 6) == ([1, 2, 3, 4, 5, 6],)
+    b = Request("b", [1, 2, 3, 4, 7, 8])
+    hit, h = mgr.get_computed_blocks(b)
+    assert h == 5 - 1                                     # blocks 0..3 (b's last token is recomputed anyway)
+    mgr.free(a)     # released together: chain 6, 5 (tail first), proven 4, 3, 2, 1; the chain goes first
+    assert mgr.pool.free.ids()[-6:] == [6, 5, 4, 3, 2, 1]
+    assert mgr.allocate_slots(b, 2, 4, hit) == ([1, 2, 3, 4, 7, 8],)       # never-used 7, 8
+    b.num_computed_tokens = 6
+    mgr.free(b)                                           # b's chain 8, 7 (its blocks 0..3 are a's: proven)
+    # six new blocks: the 4 never used (9..12), then the oldest chain, a's tail 6, 5
+    assert run_step(mgr, Request("x", [50] * 6), 6) == ([9, 10, 11, 12, 6, 5],)
+    assert mgr.get_computed_blocks(Request("a2", [1, 2, 3, 4, 5, 6]))[1] == 4
+    assert mgr.get_computed_blocks(Request("b2", [1, 2, 3, 4, 7, 8, 9]))[1] == 6
+
+
+def test_a_preempted_requests_blocks_wait_as_proven_and_serve_its_resumption():
+    mgr = KVCacheManager([FullAttention(block_size=2), SlidingWindow(block_size=2, window=3)], num_blocks=13)
+    r = Request("r", list(range(9)))
+    assert run_step(mgr, r, 9) == ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+    mgr.preempt(r)        # 4 + 4 full blocks cached; partial blocks 5, 10 hold nothing: first
+    assert mgr.pool.free.ids() == [11, 12, 5, 10, 4, 3, 2, 1, 9, 8, 7, 6]
+    # 4 new blocks come from those holding nothing; then the preempted blocks, older first
+    assert run_step(mgr, Request("x", [70] * 4), 4) == ([11, 12], [5, 10])
+    hit, h = mgr.get_computed_blocks(r)
+    assert (ids(hit), h) == ([[1, 2, 3, 4], [0, 0, 0, 9]], 8)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tier 3's order: LRU until ghost hits prove LRU thrashing, then the youngest chain first
+# ---------------------------------------------------------------------------------------------------------
+def _blocks(first: int, n: int, tag: str) -> list[Block]:
+    out = []
+    for i in range(first, first + n):
+        b = Block(i)
+        b.block_hash = f"{tag}{i}".encode()
+        out.append(b)
+    return out
+
+
+def _chain_of(*hashes: bytes):
+    hashes = list(hashes)
+    return lambda i: hashes[i]
+
+
+def test_reusable_tier_is_lru_until_ghost_hits_show_lru_evicted_what_was_needed_then_youngest_first():
+    q = FreeQueue([], (1,))
+    x, y, z = _blocks(1, 2, "x"), _blocks(3, 2, "y"), _blocks(5, 2, "z")
+    for chain in (x, y, z):                         # three finished chains; tier-3 clock 2, 4, 6
+        q.add_released([(b, False) for b in chain])
+    assert q.ids() == [1, 2, 3, 4, 5, 6]
+    assert q.take(0) == [x[0]]                      # LRU: the oldest chain's first block
+    # a lookup whose chain runs through the evicted block (parent p -> x1 remembered) finds its ghost:
+    # LRU evicted what was needed, reuse distance 6 - 2 = 4 units. THRESHOLD such lookups tip the order
+    q.learn(b"p", x[0].block_hash)
+    for i in range(THRESHOLD - 1):
+        q.note_lookup(_chain_of(b"p", x[0].block_hash), 0, 2)
+        assert q.take(0) == [[x[1], y[0], y[1]][i]]           # still LRU
+    q.note_lookup(_chain_of(b"p", x[0].block_hash), 0, 2)
+    # horizon = the longest recent distance, 4: the cut is 6 - 4 = 2; z (released at 6) is not past it,
+    # and it is the youngest: it goes first now
+    assert q.take(0) == [z[0]]
+    w = _blocks(7, 2, "w")
+    q.add_released([(b, False) for b in w])         # clock 8: the cut moves to 4; z (6) is not past it
+    assert q.ids() == [7, 8, 6]                     # w, the youngest, then z's rest
+    assert q.take(0) == [w[0]]
+
+
+def test_reusable_tier_a_chain_older_than_the_horizon_goes_first_even_when_keeping_old_chains():
+    q = FreeQueue([], (1,))
+    q.learn(b"p", b"g1")
+    g = _blocks(1, 1, "g")
+    g[0].block_hash = b"g1"
+    q.add_released([(g[0], False)])                 # clock 1
+    assert q.take(0) == g                           # LRU evicts it: a ghost released at 1
+    a, b = _blocks(2, 3, "a"), _blocks(5, 1, "b")
+    q.add_released([(x, False) for x in a])         # clock 4
+    q.add_released([(x, False) for x in b])         # clock 5
+    for _ in range(THRESHOLD):
+        q.note_lookup(_chain_of(b"p", b"g1"), 0, 2)  # distance 5 - 1 = 4 each time
+    assert q.take(0) == [b[0]]                      # cut 5 - 4 = 1: nothing past it; youngest first
+    c = _blocks(6, 2, "c")
+    q.add_released([(x, False) for x in c])         # clock 7: cut 3; a (released at 4) is not past it
+    assert q.take(0) == [c[0]]
+    d = _blocks(8, 1, "d")
+    q.add_released([(x, False) for x in d])         # clock 8: cut 4; a still not past it (4 is not < 4)
+    assert q.take(0) == [d[0]]
+    e = _blocks(9, 1, "e")
+    q.add_released([(x, False) for x in e])         # clock 9: cut 5; a (4) is past it: a goes first
+    assert q.take(0) == [a[0]]
+
+
+def _ghost_votes(q: FreeQueue, filler_units: int, first_id: int) -> None:
+    """Release and evict (LRU) one block of a chain ``p -> g1``, release ``filler_units`` more, then look
+    the chain up THRESHOLD times: each lookup finds the ghost at distance ``filler_units``."""
+    q.learn(b"p", b"g1")
+    (g,) = _blocks(first_id, 1, "g")
+    g.block_hash = b"g1"
+    q.add_released([(g, False)])
+    assert q.take(0) == [g]
+    filler = _blocks(first_id + 1, filler_units, "f")
+    q.add_released([(b, False) for b in filler])
+    for _ in range(THRESHOLD):
+        q.note_lookup(_chain_of(b"p", b"g1"), 0, 2)
+
+
+def test_a_ghost_evicted_youngest_first_that_lru_would_have_kept_votes_back_towards_lru():
+    q = FreeQueue([], (1,))
+    _ghost_votes(q, 3, 1)                           # ghost at 1, filler 2..4 (clock 4), distance 3
+    q.learn(b"q", b"y1")
+    old, (young,) = _blocks(5, 2, "o"), _blocks(7, 1, "y")
+    young.block_hash = b"y1"
+    q.add_released([(x, False) for x in old])       # clock 6
+    q.add_released([(young, False)])                # clock 7: cut 7 - 3 = 4; nothing older than 4 is left
+    assert q.take(0) == [young]                     # youngest first; its ghost records that
+    # its chain is looked up right away: distance 0, within the 5 units tier 3 holds, so LRU would have
+    # kept it: two votes back, 4 - 2 = 2 < THRESHOLD. LRU again: the filler, the oldest, goes first
+    q.note_lookup(_chain_of(b"q", b"y1"), 0, 2)
+    assert [b.block_id for b in q.take(0)] == [2]
+
+
+def test_proven_blocks_wait_apart_lru_with_chains_then_after_every_chain_when_keeping_old_ones():
+    q = FreeQueue([], (1,))
+    chain1, proven1, chain2 = _blocks(2, 1, "c"), _blocks(3, 1, "p"), _blocks(4, 1, "d")
+    q.learn(b"p", b"g1")
+    (g,) = _blocks(1, 1, "g")
+    g.block_hash = b"g1"
+    q.add_released([(g, False)])                    # clock 1
+    assert q.take(0) == [g]
+    q.add_released([(chain1[0], False), (proven1[0], True)])    # one release (clock 3): chain first
+    q.add_released([(chain2[0], False)])            # clock 4
+    assert q.ids() == [2, 3, 4]                     # LRU over both: the older front first
+    for _ in range(THRESHOLD):
+        q.note_lookup(_chain_of(b"p", b"g1"), 0, 2)  # distance 4 - 1 = 3: cut 4 - 3 = 1, nothing past it
+    assert q.ids() == [4, 2, 3]                     # chains youngest first, then the proven blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Composites: tiers apply to composites, and a dissolution takes from the lowest tier
+# ---------------------------------------------------------------------------------------------------------
+def test_a_wide_kind_composes_never_used_units_before_reusing_its_dropped_composite_then_reuses_it():
+    # sliding W=1 (a hit needs no block below its end), width 2; units 1..6
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=1)], num_blocks=7, widths=(2,))
+    a = Request("a", [1, 2])
+    assert run_step(mgr, a, 2) == ([1, 3],)
+    assert mgr.pop_compositions() == [(0, 1, (1, 2)), (0, 3, (3, 4))]
+    # n=2 drops composites 1, 3 (unreachable); units 5, 6 were never used: composed first
+    assert decode(mgr, a, 3) == ([5],)
+    assert mgr.pop_compositions() == [(0, 5, (5, 6))]
+    # n=3 drops 5; no loose unit left: the front dropped composite, 1, is reused as is
+    assert decode(mgr, a, 4) == ([1],)
+    assert mgr.pop_compositions() == []
+
+
+def test_another_kind_dissolves_a_dropped_composite_and_keeps_an_older_finished_chains_one():
+    # One pool of units 1..4 for a full group (width 1) and a sliding one (width 2): composites 1 = (1, 2),
+    # cached, left by a finished request (reusable tier), and 3 = (3, 4), cached, dropped mid-request below
+    # no fork (unreachable). The full group needs one unit and none is loose: it dissolves the lower tier's
+    # composite (unit 3; unit 4 waits loose), though the other one was freed earlier.
+    pool = BlockPool(5, 2, widths=(1, 2))
+    old, new = pool.take(1, 1)[0], pool.take(1, 1)[0]
+    assert (old.units, new.units) == ((1, 2), (3, 4))
+    pool.cache(old, 1, b"old")
+    pool.cache(new, 1, b"new")
+    pool.free.add_released([(b, False) for b in pool.unref([old])])
+    pool.free.add_dropped([(b, REACH_NONE) for b in pool.unref([new])])
+    assert pool.free.ids() == [3, 1]
+    assert [b.block_id for b in pool.take(1, 0)] == [3]
+    assert pool.free.ids() == [4, 1]                    # the leftover unit holds nothing: empty tier
+    assert pool.is_cached(1, b"old") and not pool.is_cached(1, b"new")
