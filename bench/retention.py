@@ -19,12 +19,14 @@ cache), exactly as ``cluster/scheduler.py`` does.
 
 Layouts (block 16, window 512): full (one full-attention group), sliding (one sliding-window group),
 hybrid (one of each); with ``--layouts`` also real models' shapes: gemma3 (five sliding groups of W 1024
-per full group: gemma-3's 5:1 layer ratio) and gpt-oss (full + sliding W 128). **Pool size "per group"**: ``N`` blocks per group means one pool of ``N x G``
-allocatable blocks plus the null block, ``G`` the layout's number of groups, for both systems. Both draw
-every group's blocks from that one pool, and a block holds one group's layers for 16 tokens, so with the
-same layer count per group both get exactly the same KV bytes (vLLM's planner builds this layout for
-hybrid models: groups of equal page size alias the same bytes; here ``KVCacheConfig(num_blocks=N x G + 1)``
-with one aliasing tensor per group).
+per full group: gemma-3's 5:1 layer ratio), gpt-oss (full + sliding W 128), and gemma3-units (swakv's
+real gemma-3-27b layout, ``kv_layout``: one sliding group of 26 pool units per block, one full group of
+5; the same KV bytes as gemma3; the other columns are gemma3's). **Pool size "per group"**: ``N`` blocks
+per group means one pool of ``N x G`` allocatable blocks plus the null block, ``G`` the layout's number of
+groups, for both systems. Both draw every group's blocks from that one pool, and a block holds one
+group's layers for 16 tokens, so with the same layer count per group both get exactly the same KV bytes
+(vLLM's planner builds this layout for hybrid models: groups of equal page size alias the same bytes;
+here ``KVCacheConfig(num_blocks=N x G + 1)`` with one aliasing tensor per group).
 
 Hit rate = tokens served from the prefix cache at each request's first admission / its prompt tokens
 (a preempted request's recompute is counted in ``computed``, not as a hit). Columns: the unbounded-pool
@@ -32,23 +34,26 @@ ceiling (a simulated pool that never evicts, ``bench/retention_sim.py``), vLLM d
 ``KVCacheConfig``: every full sliding block cached, LRU), vLLM sem. (its engine default
 ``prefix_cache_retention_interval=0``; after each lookup ``request.shared_prefix_boundary`` is set to the
 third value of ``get_computed_blocks``, as its scheduler does), swakv, and swakv / the better vLLM.
-``--sim`` adds simulated policies (``retention_sim.py``): ``swakv-now`` (equals the swakv column: the
-simulator's check), ``lru`` (vLLM dense's order), ``tiered`` and ``reuse`` (the proposal), ``belady``
-(clairvoyant); then a second table gives their ratio to the better vLLM column, the cached blocks each
-evicted while never-filled blocks were free, and where each lost hits (by the class of block evicted).
-``--oracle`` instead runs tiny instances of the three workloads and searches every eviction choice for
-the best hit rate any policy can reach.
+Below the table, the issue's goals per cell: swakv >= the better vLLM column, and, at the run's two
+tightest pools for chat and agent on sliding and hybrid layouts, >= 1.10x it (or the ceiling, if lower).
+``--sim`` adds simulated policies (``retention_sim.py``): ``adaptive`` (swakv's policy, re-implemented:
+the bench checks it equals the swakv column hit for hit), ``drop-front`` (swakv before issue 8), ``lru``
+(vLLM dense's order), ``tiered`` and ``reuse`` (the first proposal), ``belady`` (clairvoyant); then a
+second table gives their ratio to the better vLLM column, the cached blocks each evicted while
+never-filled blocks were free, and where each lost hits (by the class of block evicted). ``--oracle``
+instead runs tiny instances of the three workloads and searches every eviction choice for the best hit
+rate any policy can reach, next to swakv and the simulated policies.
 
 Run with vLLM's venv (kvmanager is standard library only); without vLLM it prints swakv's columns:
 
-    PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --sim swakv-now,lru,tiered,reuse,belady \
-        --jsonl out.jsonl
+    PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --sim adaptive --jsonl out.jsonl
+    PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --layouts gemma3,gpt-oss,gemma3-units
     python bench/retention.py --plot-from out.jsonl --plot out.png      # matplotlib is not in vLLM's venv
     python bench/retention.py --workloads chat --layouts sliding --pools 2000,4000     # a subset
     python bench/retention.py --oracle
 
 Time on this 2-core machine: the full grid (3 x 3 x 5 cells, 3 systems + ceiling) about 5 minutes, 12
-with the five simulated policies; ``--oracle`` about 2 minutes.
+with the five simulated policies; ``--oracle`` about 2 minutes. Results: ``bench/results/``.
 """
 from __future__ import annotations
 
@@ -77,7 +82,12 @@ VOCAB = 32000
 # models, one group per layer slot as both systems would hold them: gemma3 = five sliding groups
 # (W 1024) per full one, gemma-3's ratio of sliding to full layers; gpt-oss = full + sliding W 128.
 LAYOUTS = {"full": (None,), "sliding": (WINDOW,), "hybrid": (None, WINDOW),
-           "gemma3": (1024,) * 5 + (None,), "gpt-oss": (None, 128)}
+           "gemma3": (1024,) * 5 + (None,), "gpt-oss": (None, 128), "gemma3-units": (1024,) * 5 + (None,)}
+# swakv's real layout for gemma-3-27b (kvmanager.planning.kv_layout: 52 sliding + 10 full layers, a unit
+# is 2 layers' pages): one sliding group of 26 units, one full group of 5. The same KV bytes as "gemma3"
+# (whose 6 groups' blocks hold 62 / 6 layers each): N blocks per group there = 31 N units here. The
+# other columns (vLLM, ceiling, simulated policies) are gemma3's.
+UNITS = {"gemma3-units": ((26, 5), 31)}
 GRID_LAYOUTS = ("full", "sliding", "hybrid")
 POOLS = (2000, 4000, 8000, 16000, 100000)
 SYSTEMS = ("vllm-dense", "vllm-sem", "swakv")
@@ -143,8 +153,16 @@ def prompts(sessions: list[Session]) -> list[list[list[int]]]:
 class SwakvAdapter:
     """swakv's manager, through its public API only (so the bench outlives internal restructures)."""
 
-    def __init__(self, windows, num_blocks: int):
-        specs = [FullAttention(BLOCK) if w is None else SlidingWindow(BLOCK, window=w) for w in windows]
+    def __init__(self, windows, num_blocks: int, block_size: int = BLOCK, units=None):
+        specs = [FullAttention(block_size) if w is None else SlidingWindow(block_size, window=w) for w in windows]
+        if units is not None:      # one group per kind, composites of pool units (``UNITS``)
+            (widths, per_block), groups = units, len(windows)
+            kinds = list(dict.fromkeys(windows))
+            specs = [specs[windows.index(w)] for w in kinds]
+            num_blocks = (num_blocks - 1) // groups * per_block + 1
+            self.mgr = KVCacheManager(specs, num_blocks=num_blocks, enable_prefix_caching=True,
+                                      max_model_len=MAX_MODEL_LEN, widths=widths)
+            return
         self.mgr = KVCacheManager(specs, num_blocks=num_blocks, enable_prefix_caching=True,
                                   max_model_len=MAX_MODEL_LEN)
 
@@ -177,7 +195,7 @@ class SimAdapter(SwakvAdapter):
     """The trace simulator; with ``num_blocks=None`` the unbounded-pool ceiling, which also records, per
     first admission, the blocks its hit needed (the clairvoyant policy's future)."""
 
-    def __init__(self, windows, num_blocks: int | None, policy="swakv-now", record: bool = False,
+    def __init__(self, windows, num_blocks: int | None, policy="adaptive", record: bool = False,
                  block_size: int = BLOCK, **kw):
         self.mgr = SimManager([Spec(block_size, w) for w in windows], num_blocks, policy, **kw)
         self.block_size = block_size
@@ -400,7 +418,7 @@ def run_grid(args) -> list[dict]:
                 t0 = time.process_time()
                 extra = {}
                 if system == "swakv":
-                    adapter = SwakvAdapter(windows, num_blocks)
+                    adapter = SwakvAdapter(windows, num_blocks, units=UNITS.get(lay))
                 elif system.startswith("vllm"):
                     adapter = vllm_cls(windows, num_blocks, semantic=system == "vllm-sem")
                 else:
@@ -478,7 +496,7 @@ def exhaustive_best(sessions: list[Session], windows, num_blocks: int, max_nodes
 def run_oracle(args) -> list[dict]:
     """Tiny instances: the exhaustive best next to the ceiling and every simulated policy."""
     rows = []
-    sims = [s for s in args.sim.split(",") if s] or ["swakv-now", "lru", "tiered", "reuse"]
+    sims = [s for s in args.sim.split(",") if s] or ["drop-front", "lru", "tiered", "reuse", "adaptive"]
     for w in args.workloads:
         for lay in args.layouts:
             windows = tuple(None if x is None else TINY_WINDOW for x in LAYOUTS[lay])
@@ -494,20 +512,32 @@ def run_oracle(args) -> list[dict]:
                     except RuntimeError as exc:      # a single request that never fits, or too many runs
                         row["best"] = None
                         row["note"] = str(exc)
-                    for sim in sims:
+                    for sim in ["swakv"] + sims:
+                        adapter = (SwakvAdapter(windows, num_blocks, block_size=TINY_BLOCK) if sim == "swakv" else
+                                   SimAdapter(windows, num_blocks, sim, block_size=TINY_BLOCK))
                         try:
-                            row[sim] = serve(sessions, SimAdapter(windows, num_blocks, sim, block_size=TINY_BLOCK),
-                                             step_tokens=TINY_STEP, max_running=TINY_RUNNING)["hit_rate"]
+                            row[sim] = serve(sessions, adapter, step_tokens=TINY_STEP,
+                                             max_running=TINY_RUNNING)["hit_rate"]
                         except RuntimeError:
                             row[sim] = None
                     rows.append(row)
     print(f"\nexhaustive best over every eviction choice, tiny instances (block {TINY_BLOCK}, W {TINY_WINDOW}, "
           f"{TINY_RUNNING} running, {TINY_STEP} tokens a step); hit tokens / prompt tokens")
-    print(f"{'workload':<9}{'layout':<9}{'seed':>5}{'blocks':>7}{'ceiling':>9}{'best':>8}" + "".join(f"{s:>11}" for s in sims))
+    cols = ["swakv"] + sims
+    print(f"{'workload':<9}{'layout':<9}{'seed':>5}{'blocks':>7}{'ceiling':>9}{'best':>8}" + "".join(f"{s:>11}" for s in cols))
     fmt = lambda v: f"{v:.3f}" if v is not None else "-"   # noqa: E731
     for r in rows:
         print(f"{r['workload']:<9}{r['layout']:<9}{r['seed']:>5}{r['pool_per_group']:>7}{fmt(r['ceiling']):>9}"
-              f"{fmt(r['best']):>8}" + "".join(f"{fmt(r[s]):>11}" for s in sims))
+              f"{fmt(r['best']):>8}" + "".join(f"{fmt(r[s]):>11}" for s in cols))
+    done = [r for r in rows if r["best"] is not None and all(r[s] is not None for s in cols)]
+    print(f"\n{len(done)} instances searched to the end; mean hit rate, instances at the exhaustive best, "
+          "and against lru (vLLM dense's order): below / above")
+    print(f"{'best':<12}{sum(r['best'] for r in done) / max(1, len(done)):>7.3f}{len(done):>5}")
+    for s in cols:
+        below = sum(r[s] < r["lru"] - 1e-9 for r in done) if "lru" in cols else "-"
+        above = sum(r[s] > r["lru"] + 1e-9 for r in done) if "lru" in cols else "-"
+        print(f"{s:<12}{sum(r[s] for r in done) / max(1, len(done)):>7.3f}"
+              f"{sum(abs(r[s] - r['best']) < 1e-9 for r in done):>5}{below:>5}{above:>5}")
     return rows
 
 
@@ -538,6 +568,44 @@ def print_table(rows: list[dict]) -> None:
             r = by.get((w, lay, pool, s))
             line += f"{r['hit_rate']:>14.3f}" if r else f"{'-':>14}"
         print(line)
+
+
+GOAL3 = {("chat", "sliding"), ("chat", "hybrid"), ("agent", "sliding"), ("agent", "hybrid")}
+
+
+def print_goals(rows: list[dict]) -> None:
+    """The issue's goals, cell by cell: swakv >= the better vLLM column (goal 2); at the two tightest pools
+    of the run, chat and agent on sliding and hybrid layouts, >= 1.10x it or the ceiling (goal 3). Also,
+    where the simulated ``adaptive`` policy ran, that it equals swakv hit for hit (the simulator's check)."""
+    by = {(r["workload"], r["layout"], r["pool_per_group"], r["system"]): r for r in rows}
+    cells = list(dict.fromkeys((r["workload"], r["layout"], r["pool_per_group"]) for r in rows
+                               if r["system"] == "swakv"))
+    if any((w, lay, p, "vllm-dense") in by for w, lay, p in cells):
+        tight = sorted({p for _, _, p in cells})[:2]
+        fails2, fails3, n3 = [], [], 0
+        for w, lay, p in cells:
+            sw = by[(w, lay, p, "swakv")]["hit_rate"]
+            best = max(by[(w, lay, p, s)]["hit_rate"] for s in ("vllm-dense", "vllm-sem"))
+            if sw < best:
+                fails2.append(f"{w}/{lay}/{p}: {sw:.3f} < {best:.3f}")
+            if (w, lay) in GOAL3 and p in tight:
+                n3 += 1
+                target = min(1.10 * best, by[(w, lay, None, "ceiling")]["hit_rate"])
+                if sw < target - 1e-12:
+                    fails3.append(f"{w}/{lay}/{p}: {sw:.3f} < {target:.3f}")
+        print(f"\ngoal 2 (swakv >= the better vLLM): {len(cells) - len(fails2)} of {len(cells)} cells"
+              + (f"; short: {', '.join(fails2)}" if fails2 else ""))
+        if n3:
+            print(f"goal 3 (>= 1.10x the better vLLM or the ceiling, pools {tight[0]} and {tight[-1]}, chat and "
+                  f"agent, sliding and hybrid): {n3 - len(fails3)} of {n3} cells"
+                  + (f"; short: {', '.join(fails3)}" if fails3 else ""))
+    sims = [(w, lay, p) for w, lay, p in cells if (w, lay, p, "sim:adaptive") in by and lay not in UNITS]
+    if sims:
+        differ = [f"{w}/{lay}/{p}" for w, lay, p in sims if any(
+            by[(w, lay, p, "swakv")][k] != by[(w, lay, p, "sim:adaptive")][k]
+            for k in ("hit_tokens", "computed", "preemptions"))]
+        print(f"sim:adaptive equals swakv (hit tokens, computed tokens, preemptions) in {len(sims) - len(differ)} "
+              f"of {len(sims)} cells" + (f"; differs: {', '.join(differ)}" if differ else ""))
 
 
 def print_analysis(rows: list[dict]) -> None:
@@ -625,7 +693,7 @@ def main() -> None:
     ap.add_argument("--pools", type=lambda s: [int(x) for x in s.split(",")], default=list(POOLS),
                     help="pool sizes in blocks per group")
     ap.add_argument("--sim", default="", help="comma-separated simulated policies to add: "
-                    "swakv-now, lru, tiered, belady (bench/retention_sim.py)")
+                    "adaptive (swakv's policy), drop-front, lru, tiered, reuse, belady (bench/retention_sim.py)")
     ap.add_argument("--checkpoint", type=int, default=0, help="simulated policies: protect the window "
                     "below every multiple of this many tokens (0: none)")
     ap.add_argument("--seed", type=int, default=0)
@@ -659,6 +727,7 @@ def main() -> None:
     else:
         rows = run_grid(args)
     print_table(rows)
+    print_goals(rows)
     print_analysis(rows)
     if args.plot:
         plot(rows, args.plot)

@@ -8,12 +8,16 @@ hit blocks waiting in the free queue, only blocks full of known tokens are cache
 ``h`` every group accepts. Policies differ only in where a released block waits and which free block is
 handed out next:
 
-- ``swakv-now``: kvmanager today (dropped blocks no hit has shared go to the front, the rest to the back).
-  The bench shows it reproduces the real manager's hits exactly, cell by cell.
+- ``adaptive``: kvmanager's policy (``kvmanager/free_queue.py``): tiers by where a hit can land, the
+  reusable tier LRU until ghost hits show LRU thrashing. The bench checks that it reproduces the real
+  manager exactly (hit tokens, computed tokens, preemptions), cell by cell.
+- ``drop-front``: kvmanager before issue 8 (dropped blocks no hit has shared go to the front, the rest to
+  the back).
 - ``lru``: vLLM 0.33 dense retention (released cached blocks at the back in release order, blocks
   without a hash at the front).
-- ``tiered``, ``reuse``: the proposal (``/work/team/retention_proposal.md``): tiers by where a hit can
-  land; ``reuse`` also orders finished requests' single chains by their observed reuse distance.
+- ``tiered``, ``reuse``: the first proposal: tiers by where a hit can land, the reusable one LRU; ``reuse``
+  orders finished requests' chains youngest first within a reuse horizon (it lost to LRU on 5 of 55 tiny
+  instances of the exhaustive oracle, which led to ``adaptive``).
 - ``Belady``: clairvoyant: hands out the free block whose next use (in the unbounded-pool run) is
   furthest away. A feasible policy, so a lower bound on the best possible, not an upper bound (a hit needs
   a whole run of blocks, which per-block next use ignores).
@@ -154,9 +158,18 @@ class OrderedPolicy:
     def advance(self, request_index: int) -> None:   # only the clairvoyant policy looks ahead
         pass
 
+    def attach(self, num_blocks: int) -> None:        # only policies with bounded memories need the pool size
+        pass
+
+    def is_ghost(self, h: bytes) -> bool:              # only the swakv policy learns from evicted blocks
+        return False
+
+    def ghost_hit(self, passed: list[bytes]) -> None:
+        pass
+
 
 class SwakvNow(OrderedPolicy):
-    """kvmanager today: a dropped block that no prefix hit shared goes to the front; all else to the back."""
+    """kvmanager before issue 8: a dropped block no prefix hit shared goes to the front; all else to the back."""
 
     def release(self, blocks, reason: str) -> None:
         if reason == "drop":
@@ -342,6 +355,15 @@ class Belady:
                 self._drop_key(b)
                 return b
 
+    def attach(self, num_blocks: int) -> None:
+        pass
+
+    def is_ghost(self, h: bytes) -> bool:
+        return False
+
+    def ghost_hit(self, passed: list[bytes]) -> None:
+        pass
+
     def advance(self, request_index: int) -> None:
         """Request ``request_index`` was admitted: the blocks it needed now have a later next use."""
         self.t = max(self.t, request_index + 1)
@@ -405,7 +427,128 @@ class Scripted(OrderedPolicy):
         return super().pop()
 
 
-POLICIES = {"swakv-now": SwakvNow, "lru": Lru, "tiered": Tiered, "reuse": ReuseAware}
+class Adaptive(OrderedPolicy):
+    """kvmanager's policy (kvmanager/free_queue.py), block for block: tiers 0-2 as ``Tiered``; tier 3 holds
+    release batches of chains (``full``, ``finished-window``) and, apart, of blocks proven shared
+    (``PROVEN``). LRU (the older front first) until ghost votes reach ``THRESHOLD``; then what is older than
+    the horizon first, then the youngest chain, then the proven batches. The bench checks that it equals
+    the swakv column cell by cell."""
+
+    TIERS = {"dropped-interior": 1, "dropped-shared": 1, "dropped-prompt-end": 2, "dropped-checkpoint": 2}
+    PROVEN = {"preempted", "dropped-junction", "full-shared", "finished-junction"}
+    THRESHOLD, VOTE_CAP, PENALTY, DISTANCES = 4, 16, 2, 64
+
+    def __init__(self):
+        super().__init__(num_tiers=3)
+        self.chains: OrderedDict[int, OrderedDict] = OrderedDict()   # release -> blocks, oldest first
+        self.proven: OrderedDict[int, OrderedDict] = OrderedDict()
+        self.stamp_of: dict[int, int] = {}      # release -> tier-3 blocks ever released when it was
+        self.batch_of: dict[int, tuple[OrderedDict, int]] = {}      # block id -> (its batches, release)
+        self.counted: set[int] = set()
+        self.releases = self.clock = self.reusable = self.votes = 0
+        self.distances: deque = deque(maxlen=self.DISTANCES)
+        self.ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
+        self.cap = 16
+
+    def attach(self, num_blocks: int) -> None:
+        self.cap = max(16, 2 * (num_blocks - 1))
+
+    def __len__(self) -> int:
+        return len(self.where) + len(self.batch_of)
+
+    def release(self, blocks, reason: str) -> None:
+        chain, proven = OrderedDict(), OrderedDict()
+        for b in blocks:
+            if b.key is None:
+                self.put(b, 0)
+            elif b.cls in self.PROVEN:
+                proven[b.block_id] = b
+            elif b.cls in self.TIERS:
+                self.put(b, self.TIERS[b.cls])
+            else:
+                chain[b.block_id] = b
+        if not (chain or proven):
+            return
+        self.releases += 1
+        self.clock += len(chain) + len(proven)
+        self.reusable += len(chain) + len(proven)
+        self.stamp_of[self.releases] = self.clock
+        for batch, batches in ((chain, self.chains), (proven, self.proven)):
+            if batch:
+                batches[self.releases] = batch
+                for bid in batch:
+                    self.batch_of[bid] = (batches, self.releases)
+
+    def _vote(self, v: int) -> None:
+        self.votes = max(-self.VOTE_CAP, min(self.VOTE_CAP, self.votes + v))
+
+    def _unlink(self, block: Block) -> None:
+        batches, r = self.batch_of.pop(block.block_id)
+        batch = batches[r]
+        del batch[block.block_id]
+        if not batch:
+            del batches[r]
+        self.reusable -= 1
+
+    def remove(self, block: Block) -> None:
+        at = self.batch_of.get(block.block_id)
+        if at is None:
+            return super().remove(block)
+        batches, r = at
+        key = (id(batches), r)
+        if key not in self.counted:
+            self.counted.add(key)
+            age = self.clock - self.stamp_of[r]
+            if age > self.reusable:
+                self._vote(1)
+            if batches is self.chains:
+                self.distances.append(age)
+        self._unlink(block)
+
+    def is_ghost(self, h: bytes) -> bool:
+        return h in self.ghosts
+
+    def ghost_hit(self, passed: list[bytes]) -> None:
+        """The lookup passed these ghosts of one evicted chain: the deepest votes, all are forgotten."""
+        stamp, youngest = self.ghosts[passed[-1]]
+        for h in passed:
+            del self.ghosts[h]
+        distance = self.clock - stamp
+        self.distances.append(distance)
+        if not youngest:
+            self._vote(1)
+        elif distance <= self.reusable:
+            self._vote(-self.PENALTY)
+
+    def pop(self) -> Block:
+        for t in self.tiers:
+            if t:
+                block = t.popitem(last=False)[1]
+                del self.where[block.block_id]
+                return block
+        c = next(iter(self.chains), None)
+        p = next(iter(self.proven), None)
+        young = self.votes >= self.THRESHOLD
+        if young:
+            cut = self.clock - (max(self.distances) if self.distances else 0)
+            if (c is not None and self.stamp_of[c] < cut) or (p is not None and self.stamp_of[p] < cut):
+                young = False
+        if young:
+            batches, r = (self.chains, next(reversed(self.chains))) if self.chains else (self.proven, p)
+        elif p is None or (c is not None and self.stamp_of[c] <= self.stamp_of[p]):
+            batches, r = self.chains, c
+        else:
+            batches, r = self.proven, p
+        block = next(iter(batches[r].values()))
+        self._unlink(block)
+        self.ghosts[block.key[1]] = (self.stamp_of[r], young)
+        self.ghosts.move_to_end(block.key[1])
+        if len(self.ghosts) > self.cap:
+            self.ghosts.popitem(last=False)
+        return block
+
+
+POLICIES = {"drop-front": SwakvNow, "lru": Lru, "tiered": Tiered, "reuse": ReuseAware, "adaptive": Adaptive}
 
 
 # -- the simulated manager -------------------------------------------------------------------------
@@ -413,12 +556,13 @@ class SimManager:
     """A block pool of ``num_blocks`` (``None``: unbounded) shared by groups of ``specs``.
 
     ``checkpoint``: also protect (as ``dropped-checkpoint``) the window below every multiple of this many
-    tokens. ``junctions``: detect where a request's chain leaves every chain cached so far (hashes of
-    evicted blocks are remembered, ``ghost_factor * num_blocks`` of them) and protect the window below it.
+    tokens. ``junctions``: learn forks as kvmanager does (the first child of every parent hash cached, and
+    where a lookup's chain leaves the remembered one; both memories bounded by twice the pool's size) and
+    protect the windows below them.
     """
 
-    def __init__(self, specs: list[Spec], num_blocks: int | None, policy="swakv-now", *,
-                 checkpoint: int = 0, junctions: bool = True, ghost_factor: int = 1):
+    def __init__(self, specs: list[Spec], num_blocks: int | None, policy="drop-front", *,
+                 checkpoint: int = 0, junctions: bool = True):
         self.specs = specs
         self.bs = specs[0].block_size
         self.unbounded = num_blocks is None
@@ -427,13 +571,13 @@ class SimManager:
             self.blocks += [Block(i) for i in range(1, num_blocks)]
         self.policy = policy if not isinstance(policy, str) else POLICIES[policy]()
         if not self.unbounded:
+            self.policy.attach(num_blocks)
             self.policy.release(self.blocks[1:], "init")
         self.cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in specs]
         self.ever: list[set[bytes]] = [set() for _ in specs]   # every hash each group ever cached
-        self.ghost: OrderedDict[bytes, None] = OrderedDict()    # bounded memory of cached hashes
-        self.first_child: OrderedDict[bytes, bytes] = OrderedDict()  # parent hash -> a child's hash
+        self.first_child: OrderedDict[bytes, bytes] = OrderedDict()  # parent hash -> its first child seen
         self.forks: OrderedDict[bytes, None] = OrderedDict()  # parents known to have two children or more
-        self.ghost_cap = ghost_factor * (num_blocks or 0)
+        self.memory_cap = max(16, 2 * ((num_blocks or 0) - 1))
         self.checkpoint = checkpoint
         self.junctions = junctions
         self.tables: list[dict[str, list]] = [{} for _ in specs]
@@ -449,7 +593,7 @@ class SimManager:
         self._evicted: dict[tuple[int, bytes], tuple[str, int]] = {}
         self._harm_seen: set[int] = set()
         self._eviction_id = 0
-        self._fork_end = 0
+        self._fork_needs: list[range] = []
 
     # -- hits --------------------------------------------------------------------------------------
     def _hit_length(self, req: SimRequest, max_tokens: int, sets) -> int:
@@ -480,7 +624,7 @@ class SimManager:
             if ceiling > h and req.admissions == 0:      # charged if this lookup admits it the first time
                 req.shortfall = (h, ceiling)
             if self.junctions:
-                self._find_junction(hashes, h, max_tokens)
+                self._walk(hashes, h // self.bs, max_tokens // self.bs)
         hit = []
         for g, spec in enumerate(self.specs):
             first = spec.first_needed_token(h) // self.bs
@@ -488,23 +632,39 @@ class SimManager:
             hit.append([None] * first + [next(iter(cache[x].values())) for x in hashes[first:h // self.bs]])
         return hit, h
 
-    def _find_junction(self, hashes, h: int, max_tokens: int) -> None:
-        """Record the point where this request's chain leaves every chain seen so far (in any group's
-        cache, or among the remembered hashes of evicted blocks), when a known chain goes on differently
-        there: a fork, whose window a later sibling will want."""
-        j = h // self.bs
-        limit = max_tokens // self.bs
-        while j < limit and (hashes[j] in self.ghost or any(hashes[j] in c for c in self.cached)):
-            j += 1
-        if 0 < j < len(hashes):
+    def _walk(self, hashes, start: int, limit: int) -> None:
+        """Follow the remembered chain past the hit: where this request's chain leaves it, the parent is
+        a fork (a later sibling will want the window below it); the deepest ghost passed teaches the policy."""
+        j = max(start, 1)
+        if j >= limit:
+            return
+        passed = []
+        while j < limit:
             child = self.first_child.get(hashes[j - 1])
-            if child is not None and child != hashes[j]:
-                self.forks[hashes[j - 1]] = None
+            if child is None:
+                break
+            if child != hashes[j]:
+                if hashes[j - 1] not in self.forks:
+                    self._remember(self.forks, hashes[j - 1], None)
+                break
+            if self.policy.is_ghost(hashes[j]):
+                passed.append(hashes[j])
+            j += 1
+        if passed:
+            self.policy.ghost_hit(passed)
 
-    def _below_fork(self, hashes, i: int, run: int) -> bool:
-        """Block ``i`` lies in the window below a fork of its chain."""
-        forks = self.forks
-        return any(hashes[e - 1] in forks for e in range(i + 1, min(i + run, len(hashes)) + 1))
+    def _learn(self, parent: bytes, child: bytes) -> None:
+        first = self.first_child.get(parent)
+        if first is None:
+            self._remember(self.first_child, parent, child)
+        elif first == child:
+            self.first_child.move_to_end(parent)
+        elif parent not in self.forks:
+            self._remember(self.forks, parent, None)
+
+    def _fork_ends(self, hashes, n: int) -> list[int]:
+        """Hit ends (in blocks, at most ``n``) at a fork of this chain."""
+        return [e for e in range(1, min(n, len(hashes)) + 1) if hashes[e - 1] in self.forks]
 
     def _charge_shortfall(self, req, h, ceiling, hashes) -> None:
         rightmost, cls = (-1, False), None     # at equal positions a sliding group's block is named
@@ -579,17 +739,23 @@ class SimManager:
         dropped = table[span.start:span.stop]      # real blocks: a table's nulls are a prefix
         table[span.start:span.stop] = [None] * len(span)
         self.num_dropped[g][rid] = span.stop
+        # hit ends at a fork whose needed blocks meet the span (at most span.stop + run - 1)
+        spec = self.specs[g]
+        self._fork_needs = [spec.needed_blocks(e * self.bs) for e in
+                            self._fork_ends(req.block_hashes(self.bs), span.stop + spec.run - 1)
+                            if e > span.start] if self.junctions else []
         self._to_policy(self._release_blocks(g, req, dropped, list(span), "drop"), "drop")
 
     def _classify(self, g: int, req: SimRequest, i: int, reason: str, block: Block) -> str:
         spec = self.specs[g]
         if reason == "preempt":
             return "preempted"
+        below_fork = any(i in r for r in self._fork_needs)
         if not spec.drops:
-            return "full-shared" if i < self._fork_end else "full"
+            return "full-shared" if below_fork else "full"
         if reason == "finish":
-            return "finished-window"
-        if self.junctions and self._below_fork(req.block_hashes(self.bs), i, spec.run):
+            return "finished-junction" if below_fork else "finished-window"
+        if below_fork:
             return "dropped-junction"
         if block.shared:
             return "dropped-shared"
@@ -676,33 +842,28 @@ class SimManager:
                     b.parent = hashes[i - 1] if i else None
                     cache.setdefault(hashes[i], {})[b.block_id] = b
                     ever.add(hashes[i])
-                    if self.ghost_cap:
-                        self._remember(self.ghost, hashes[i], None)
-                        if i:
-                            child = self.first_child.get(hashes[i - 1])
-                            if child is None:
-                                self._remember(self.first_child, hashes[i - 1], hashes[i])
-                            elif child != hashes[i]:
-                                self._remember(self.forks, hashes[i - 1], None)
+                    if i and not self.unbounded:
+                        self._learn(hashes[i - 1], hashes[i])
             self.num_cached[g][rid] = end
 
     def _remember(self, memory: OrderedDict, x: bytes, value) -> None:
         memory[x] = value
         memory.move_to_end(x)
-        if len(memory) > self.ghost_cap:
+        if len(memory) > self.memory_cap:
             memory.popitem(last=False)
 
     def _release_request(self, req: SimRequest, reason: str) -> None:
         rid = req.request_id
         hashes = req.block_hashes(self.bs)
-        # Full-attention blocks below the deepest fork of this chain serve siblings, not just a follow-up.
-        self._fork_end = next((e for e in range(len(hashes), 0, -1) if hashes[e - 1] in self.forks), 0)
         freed = []          # one release for the whole request: group by group, each tail first
         for g in range(len(self.specs)):
             table = self.tables[g].pop(rid, None)
             self.num_cached[g].pop(rid, None)
             self.num_dropped[g].pop(rid, None)
             if table:
+                # blocks a hit at a fork of this chain needs serve siblings, not just a follow-up
+                self._fork_needs = [self.specs[g].needed_blocks(e * self.bs)
+                                    for e in self._fork_ends(hashes, len(table))] if self.junctions else []
                 idx = [i for i in range(len(table) - 1, -1, -1) if table[i] is not None]
                 freed += self._release_blocks(g, req, [table[i] for i in idx], idx, reason)
         self._to_policy(freed, reason)

@@ -148,7 +148,7 @@ def run_churn(num_running: int, steps: int, warmup: int, seed: int) -> dict:
     usage = engine.stats()["kv_usage"]
     return {"table_ids": table_ids / steps, "unit_ids": unit_ids / steps, "finished": count - num_running,
             "free_units": engine.manager.num_free_blocks, "usage": usage,
-            "loose_units": len(engine.manager.pool.free._loose)}
+            "loose_units": sum(1 for e in engine.manager.pool.free.entries() if e.kind < 0)}
 
 
 def main() -> None:

@@ -348,7 +348,8 @@ class Scheduler:
             self._preempt(seq)
         self._forget = []  # the new workers have no mirrors to drop, and know no composite
         self._on_workers.clear()
-        self.manager.reset_prefix_cache()
+        if not self.manager.reset_prefix_cache():     # cached hashes would name KV the new workers lack
+            raise RuntimeError("KV cache reset refused: blocks are still held after preempting every request")
         self.manager.replay_compositions()
         return len(victims)
 

@@ -178,12 +178,12 @@ class FreeQueue:
         """After a lookup that hit ``start`` blocks of a prompt with ``limit`` usable ones: follow the chain
         remembered past the hit. Where the request's chain leaves it, its parent is a fork; the deepest
         ghost passed (an evicted tier-3 block) votes on tier 3's order."""
-        children = self.children
+        children, ghosts = self.children, self._ghosts
         j = max(start, 1)
         if j >= limit:
             return
         parent = hash_at(j - 1)
-        ghost = None
+        passed = []
         while j < limit:
             child = children.get(parent)
             if child is None:
@@ -193,12 +193,14 @@ class FreeQueue:
                 if parent not in self.forks:
                     self._fork(parent)
                 break
-            if h in self._ghosts:
-                ghost = h
+            if h in ghosts:
+                passed.append(h)
             parent = h
             j += 1
-        if ghost is not None:
-            stamp, youngest = self._ghosts[ghost]
+        if passed:                              # an evicted chain votes once (a request may be looked up
+            stamp, youngest = ghosts[passed[-1]]    # again and again while it waits)
+            for h in passed:
+                del ghosts[h]
             distance = self._clock - stamp
             self._distances.append(distance)
             if not youngest:

@@ -302,101 +302,81 @@ def _blocks(first: int, n: int, tag: str) -> list[Block]:
     return out
 
 
-def _chain_of(*hashes: bytes):
-    hashes = list(hashes)
-    return lambda i: hashes[i]
+def _release(q: FreeQueue, blocks: list[Block], proven: bool = False) -> None:
+    q.add_released([(b, proven) for b in blocks])
+
+
+def _evicted_chains(q: FreeQueue, first_id: int, n: int) -> list:
+    """``n`` one-block chains (parent ``p<i>``, block ``g<i>``) released one by one, then evicted (LRU,
+    oldest first): ``n`` ghosts. Returns, per chain, a lookup that runs through it."""
+    blocks = _blocks(first_id, n, "g")
+    for b in blocks:
+        q.learn(b"p%d" % b.block_id, b.block_hash)
+        _release(q, [b])
+    for b in blocks:
+        assert q.take(0) == [b]
+    return [lambda b=b: q.note_lookup([b"p%d" % b.block_id, b.block_hash].__getitem__, 0, 2) for b in blocks]
 
 
 def test_reusable_tier_is_lru_until_ghost_hits_show_lru_evicted_what_was_needed_then_youngest_first():
     q = FreeQueue([], (1,))
-    x, y, z = _blocks(1, 2, "x"), _blocks(3, 2, "y"), _blocks(5, 2, "z")
-    for chain in (x, y, z):                         # three finished chains; tier-3 clock 2, 4, 6
-        q.add_released([(b, False) for b in chain])
-    assert q.ids() == [1, 2, 3, 4, 5, 6]
-    assert q.take(0) == [x[0]]                      # LRU: the oldest chain's first block
-    # a lookup whose chain runs through the evicted block (parent p -> x1 remembered) finds its ghost:
-    # LRU evicted what was needed, reuse distance 6 - 2 = 4 units. THRESHOLD such lookups tip the order
-    q.learn(b"p", x[0].block_hash)
-    for i in range(THRESHOLD - 1):
-        q.note_lookup(_chain_of(b"p", x[0].block_hash), 0, 2)
-        assert q.take(0) == [[x[1], y[0], y[1]][i]]           # still LRU
-    q.note_lookup(_chain_of(b"p", x[0].block_hash), 0, 2)
-    # horizon = the longest recent distance, 4: the cut is 6 - 4 = 2; z (released at 6) is not past it,
-    # and it is the youngest: it goes first now
-    assert q.take(0) == [z[0]]
-    w = _blocks(7, 2, "w")
-    q.add_released([(b, False) for b in w])         # clock 8: the cut moves to 4; z (6) is not past it
-    assert q.ids() == [7, 8, 6]                     # w, the youngest, then z's rest
-    assert q.take(0) == [w[0]]
+    lookups = _evicted_chains(q, 1, THRESHOLD)     # ghosts of chains released at 1..4 (tier-3 units)
+    c = _blocks(5, 4, "c")
+    for b in c:
+        _release(q, [b])                            # four more one-block chains: clock 5..8
+    assert q.ids() == [5, 6, 7, 8]                  # LRU
+    for lookup in lookups[:-1]:                     # each lookup runs through a chain LRU evicted:
+        lookup()                                    # one vote each for keeping old chains
+    assert q.ids() == [5, 6, 7, 8]                  # THRESHOLD - 1 votes: still LRU
+    lookups[-1]()
+    # reuse distances 8 - 1 .. 8 - 4: horizon 7, cut 8 - 7 = 1, no chain is past it: youngest first
+    assert q.ids() == [8, 7, 6, 5]
+    assert q.take(0) == [c[3]]
+    lookups[0]()                                    # a ghost votes once: nothing changes
+    assert q.ids() == [7, 6, 5]
 
 
 def test_reusable_tier_a_chain_older_than_the_horizon_goes_first_even_when_keeping_old_chains():
     q = FreeQueue([], (1,))
-    q.learn(b"p", b"g1")
-    g = _blocks(1, 1, "g")
-    g[0].block_hash = b"g1"
-    q.add_released([(g[0], False)])                 # clock 1
-    assert q.take(0) == g                           # LRU evicts it: a ghost released at 1
-    a, b = _blocks(2, 3, "a"), _blocks(5, 1, "b")
-    q.add_released([(x, False) for x in a])         # clock 4
-    q.add_released([(x, False) for x in b])         # clock 5
-    for _ in range(THRESHOLD):
-        q.note_lookup(_chain_of(b"p", b"g1"), 0, 2)  # distance 5 - 1 = 4 each time
-    assert q.take(0) == [b[0]]                      # cut 5 - 4 = 1: nothing past it; youngest first
-    c = _blocks(6, 2, "c")
-    q.add_released([(x, False) for x in c])         # clock 7: cut 3; a (released at 4) is not past it
+    for lookup in _evicted_chains(q, 1, THRESHOLD):  # clock 4; distances 4 - 1 .. 4 - 4: horizon 3
+        lookup()
+    a, b = _blocks(5, 3, "a"), _blocks(8, 1, "b")
+    _release(q, a)                                  # clock 7
+    _release(q, b)                                  # clock 8: cut 5, a (7) is not past it
+    assert q.take(0) == [b[0]]                      # youngest first
+    c = _blocks(9, 2, "c")
+    _release(q, c)                                  # clock 10: cut 7, a (7) is not past it (7 < 7 is false)
     assert q.take(0) == [c[0]]
-    d = _blocks(8, 1, "d")
-    q.add_released([(x, False) for x in d])         # clock 8: cut 4; a still not past it (4 is not < 4)
-    assert q.take(0) == [d[0]]
-    e = _blocks(9, 1, "e")
-    q.add_released([(x, False) for x in e])         # clock 9: cut 5; a (4) is past it: a goes first
+    d = _blocks(11, 1, "d")
+    _release(q, d)                                  # clock 11: cut 8, a is past the horizon: it goes first
     assert q.take(0) == [a[0]]
-
-
-def _ghost_votes(q: FreeQueue, filler_units: int, first_id: int) -> None:
-    """Release and evict (LRU) one block of a chain ``p -> g1``, release ``filler_units`` more, then look
-    the chain up THRESHOLD times: each lookup finds the ghost at distance ``filler_units``."""
-    q.learn(b"p", b"g1")
-    (g,) = _blocks(first_id, 1, "g")
-    g.block_hash = b"g1"
-    q.add_released([(g, False)])
-    assert q.take(0) == [g]
-    filler = _blocks(first_id + 1, filler_units, "f")
-    q.add_released([(b, False) for b in filler])
-    for _ in range(THRESHOLD):
-        q.note_lookup(_chain_of(b"p", b"g1"), 0, 2)
 
 
 def test_a_ghost_evicted_youngest_first_that_lru_would_have_kept_votes_back_towards_lru():
     q = FreeQueue([], (1,))
-    _ghost_votes(q, 3, 1)                           # ghost at 1, filler 2..4 (clock 4), distance 3
-    q.learn(b"q", b"y1")
+    for lookup in _evicted_chains(q, 1, THRESHOLD):  # THRESHOLD votes, horizon 3 (as above)
+        lookup()
     old, (young,) = _blocks(5, 2, "o"), _blocks(7, 1, "y")
-    young.block_hash = b"y1"
-    q.add_released([(x, False) for x in old])       # clock 6
-    q.add_released([(young, False)])                # clock 7: cut 7 - 3 = 4; nothing older than 4 is left
+    q.learn(b"q", young.block_hash)
+    _release(q, old)                                # clock 6
+    _release(q, [young])                            # clock 7: cut 4, nothing past it
     assert q.take(0) == [young]                     # youngest first; its ghost records that
-    # its chain is looked up right away: distance 0, within the 5 units tier 3 holds, so LRU would have
-    # kept it: two votes back, 4 - 2 = 2 < THRESHOLD. LRU again: the filler, the oldest, goes first
-    q.note_lookup(_chain_of(b"q", b"y1"), 0, 2)
-    assert [b.block_id for b in q.take(0)] == [2]
+    # its chain is looked up right away: distance 0, within the 2 units tier 3 holds, so LRU would have
+    # kept it: two votes back, THRESHOLD - 2. LRU again: the oldest chain goes first
+    q.note_lookup([b"q", young.block_hash].__getitem__, 0, 2)
+    assert q.take(0) == [old[0]]
 
 
 def test_proven_blocks_wait_apart_lru_with_chains_then_after_every_chain_when_keeping_old_ones():
     q = FreeQueue([], (1,))
-    chain1, proven1, chain2 = _blocks(2, 1, "c"), _blocks(3, 1, "p"), _blocks(4, 1, "d")
-    q.learn(b"p", b"g1")
-    (g,) = _blocks(1, 1, "g")
-    g.block_hash = b"g1"
-    q.add_released([(g, False)])                    # clock 1
-    assert q.take(0) == [g]
-    q.add_released([(chain1[0], False), (proven1[0], True)])    # one release (clock 3): chain first
-    q.add_released([(chain2[0], False)])            # clock 4
-    assert q.ids() == [2, 3, 4]                     # LRU over both: the older front first
-    for _ in range(THRESHOLD):
-        q.note_lookup(_chain_of(b"p", b"g1"), 0, 2)  # distance 4 - 1 = 3: cut 4 - 3 = 1, nothing past it
-    assert q.ids() == [4, 2, 3]                     # chains youngest first, then the proven blocks
+    lookups = _evicted_chains(q, 1, THRESHOLD)      # clock 4
+    (chain1,), (proven1,), (chain2,) = _blocks(5, 1, "c"), _blocks(6, 1, "p"), _blocks(7, 1, "d")
+    q.add_released([(chain1, False), (proven1, True)])   # one release (clock 6): the chain first on a tie
+    _release(q, [chain2])                           # clock 7
+    assert q.ids() == [5, 6, 7]                     # LRU over both: the older front first
+    for lookup in lookups:                          # distances 6..3: horizon 6, cut 1, nothing past it
+        lookup()
+    assert q.ids() == [7, 5, 6]                     # chains youngest first, then the proven blocks
 
 
 # ---------------------------------------------------------------------------------------------------------
