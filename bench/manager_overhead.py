@@ -15,23 +15,31 @@ ids its deltas carry per step: table entries and the units of new composites.
 vLLM 0.33 runs in the same process when importable (its own virtual environment, see
 shared/anchors/vllm_baseline.md; run this file with that interpreter: kvmanager needs only the
 standard library). Engines alternate over ``--rounds`` rounds; each figure is the best round.
+``--baseline DIR`` also times the kvmanager of another checkout (e.g. main, to check a change for
+regressions) in the same process, alternating with this one, and prints the best and median ratios.
 
     python bench/manager_overhead.py            # swakv alone
     /tmp/vllm-venv/bin/python bench/manager_overhead.py --json out.json
+    git worktree add /tmp/main main && python bench/manager_overhead.py --no-vllm --baseline /tmp/main --rounds 9
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import importlib.util
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow  # noqa: E402
+import kvmanager  # noqa: E402
+import kvmanager.planning  # noqa: E402
+from kvmanager import FullAttention, SlidingWindow  # noqa: E402
 
 BLOCK = 16
 WINDOW = 128
@@ -43,14 +51,14 @@ class Layout:
     def __init__(self, name: str, layers: list, num_reqs: int | None = None, prompt_len: int | None = None):
         self.name, self.layers, self.num_reqs, self.prompt_len = name, layers, num_reqs, prompt_len
 
-    def kv_layout(self):
-        from kvmanager.planning import kv_layout
-        return kv_layout({f"layer.{i}": (FullAttention(BLOCK) if kind == "full" else SlidingWindow(BLOCK, window=w))
-                          for i, (kind, w) in enumerate(self.layers)})
+    def kv_layout(self, pkg=kvmanager):
+        return pkg.planning.kv_layout({f"layer.{i}": (pkg.FullAttention(BLOCK) if kind == "full"
+                                                      else pkg.SlidingWindow(BLOCK, window=w))
+                                       for i, (kind, w) in enumerate(self.layers)})
 
-    def swakv_groups(self, split: bool = False) -> tuple[list, list]:
+    def swakv_groups(self, split: bool = False, pkg=kvmanager) -> tuple[list, list]:
         """Specs and widths as ``kv_layout`` forms them (one group per kind), or one group per S layers."""
-        layout = self.kv_layout()
+        layout = self.kv_layout(pkg)
         if split:
             return [s for s, w in zip(layout.group_specs, layout.group_widths) for _ in range(w)], None
         return list(layout.group_specs), list(layout.group_widths)
@@ -75,16 +83,17 @@ LAYOUTS = {
 class SwakvDriver:
     name = "swakv"
     split = False
+    pkg = kvmanager      # the kvmanager package it drives (``--baseline``: another checkout's)
 
     def __init__(self, layout: Layout, num_blocks: int, max_len: int):
-        specs, widths = layout.swakv_groups(self.split)
-        self.mgr = KVCacheManager(specs, num_blocks=num_blocks, enable_prefix_caching=True,
-                                  max_model_len=max_len, widths=widths)
+        specs, widths = layout.swakv_groups(self.split, self.pkg)
+        self.mgr = self.pkg.KVCacheManager(specs, num_blocks=num_blocks, enable_prefix_caching=True,
+                                           max_model_len=max_len, widths=widths)
         self.units_per_block = sum(widths) if widths else len(specs)
         self.table_ids = self.composed_units = 0
 
     def admit(self, rid: str, prompt: list[int]):
-        req = Request(rid, prompt)
+        req = self.pkg.Request(rid, prompt)
         hit, n = self.mgr.get_computed_blocks(req)
         assert self.mgr.allocate_slots(req, len(prompt) - n, n, hit) is not None, "pool too small"
         req.num_computed_tokens = len(prompt)
@@ -108,7 +117,19 @@ class SwakvDriver:
         self.composed_units += sum(len(units) for _, _, units in self.mgr.pop_compositions())
 
     def lookup(self, prompt: list[int]) -> int:
-        return self.mgr.get_computed_blocks(Request("cold", prompt))[1]
+        return self.mgr.get_computed_blocks(self.pkg.Request("cold", prompt))[1]
+
+
+def baseline_driver(root: str):
+    """A driver class for the kvmanager package of the checkout at ``root``, imported under another name."""
+    path = os.path.join(os.path.abspath(root), "kvmanager")
+    spec = importlib.util.spec_from_file_location("kvmanager_baseline", os.path.join(path, "__init__.py"),
+                                                  submodule_search_locations=[path])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = pkg
+    spec.loader.exec_module(pkg)
+    importlib.import_module("kvmanager_baseline.planning")
+    return type("BaselineDriver", (SwakvDriver,), {"name": "baseline", "pkg": pkg})
 
 
 class SplitDriver(SwakvDriver):
@@ -226,28 +247,36 @@ def main() -> None:
     ap.add_argument("--cold-prompt-len", type=int, default=131072)
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline even if importable")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--baseline", metavar="DIR", help="also time the kvmanager of the checkout at DIR "
+                    "(e.g. main), alternating with this one in the same process")
     args = ap.parse_args()
 
     drivers = [SwakvDriver]
     vllm = None if args.no_vllm else vllm_driver()
     if vllm is not None:
         drivers.append(vllm)
+    baseline = baseline_driver(args.baseline) if args.baseline else None
     best: dict = {}
+    runs: dict = {}      # every round's figure, for the baseline's medians
     ids: dict = {}
     for rnd in range(args.rounds):
+        order = drivers + ([baseline] if baseline else [])
+        order = order if rnd % 2 == 0 else order[::-1]       # alternate who goes first
         for name in args.layouts:
             layout = LAYOUTS[name]
             num_reqs, prompt_len = layout.num_reqs or args.requests, layout.prompt_len or args.prompt_len
-            for drv in drivers + ([SplitDriver] if name == "gemma-3-27b" else []):
+            for drv in order + ([SplitDriver] if name == "gemma-3-27b" else []):
                 r = run_trace(drv, layout, num_reqs, prompt_len, args.steps, seed=rnd)
                 key = (drv.name, name)
                 best[key] = min(best.get(key, float("inf")), r["us_per_request_step"])
+                runs.setdefault(key, []).append(r["us_per_request_step"])
                 if "table_ids_per_step" in r:
                     ids[key] = (r["table_ids_per_step"], r["composed_units_per_step"])
-        for drv in drivers:
+        for drv in order:
             r = run_cold_lookup(drv, args.cold_prompt_len, seed=rnd)
             key = (drv.name, "cold_lookup_ms")
             best[key] = min(best.get(key, float("inf")), r["ms"])
+            runs.setdefault(key, []).append(r["ms"])
         print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
 
     names = [d.name for d in drivers]
@@ -274,6 +303,15 @@ def main() -> None:
     for (drv_name, name), (table, units) in sorted(ids.items()):
         print(f"  {name:<14} {drv_name:<12} {table:>8.1f} table ids + {units:>6.1f} composed units")
         out.setdefault(name, {})[f"{drv_name}_ids_per_step"] = [table, units]
+    if baseline:
+        print(f"\nthis checkout vs {args.baseline} (same process, alternating), best and median of {args.rounds}:")
+        print(f"{'layout':<16}{'baseline':>10}{'swakv':>8}{'ratio':>8}{'median':>10}{'median':>8}{'ratio':>8}")
+        for name in [*args.layouts, "cold_lookup_ms"]:
+            b, w = best[("baseline", name)], best[("swakv", name)]
+            mb, mw = statistics.median(runs[("baseline", name)]), statistics.median(runs[("swakv", name)])
+            print(f"{name:<16}{b:>10.2f}{w:>8.2f}{w / b:>7.2f}x{mb:>10.2f}{mw:>8.2f}{mw / mb:>7.2f}x")
+            out[name]["baseline"] = b
+            out[name]["median"] = {"swakv": mw, "baseline": mb}
     if vllm:
         print("\nvLLM's groups: " + ", ".join(f"{n}: {vllm(LAYOUTS[n], 64, 64).num_groups}" for n in args.layouts))
     if args.json:

@@ -578,6 +578,8 @@ class SimManager:
         self.first_child: OrderedDict[bytes, bytes] = OrderedDict()  # parent hash -> its first child seen
         self.forks: OrderedDict[bytes, None] = OrderedDict()  # parents known to have two children or more
         self.memory_cap = max(16, 2 * ((num_blocks or 0) - 1))
+        # as kvmanager: one group tells how chains go on, one that drops nothing if any
+        self.registrar = min(range(len(specs)), key=lambda g: specs[g].drops)
         self.checkpoint = checkpoint
         self.junctions = junctions
         self.tables: list[dict[str, list]] = [{} for _ in specs]
@@ -842,7 +844,7 @@ class SimManager:
                     b.parent = hashes[i - 1] if i else None
                     cache.setdefault(hashes[i], {})[b.block_id] = b
                     ever.add(hashes[i])
-                    if i and not self.unbounded:
+                    if i and not self.unbounded and g == self.registrar:
                         self._learn(hashes[i - 1], hashes[i])
             self.num_cached[g][rid] = end
 

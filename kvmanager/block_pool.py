@@ -34,7 +34,7 @@ class Block:
         self.kind = -1             # the width > 1 group it is composed for; -1: a loose unit
         self.units: tuple[int, ...] = (block_id,)   # the units it spans, itself first
         self.order = 0             # its place in its free-queue bin
-        self.bin = None            # the free-queue bin it waits in; None while held
+        self.bin = None            # the free-queue bin it waits in (meaningless while held)
 
     def __repr__(self) -> str:
         return (f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None}"
@@ -81,6 +81,10 @@ class BlockPool:
                 block = first          # a same-kind composite (or a loose unit for a width-1 group) as is
                 if block.block_hash is not None:
                     self._uncache(block)
+            elif self.free.fresh:      # k loose units that hold nothing: nothing to forget or dissolve
+                block = first
+                block.kind, block.units = group, tuple([e.block_id for e in entries])
+                self._compositions.append((group, block.block_id, block.units))
             else:
                 block = self._compose(entries, group, width)
             block.ref_cnt = 1
@@ -94,11 +98,14 @@ class BlockPool:
         for entry in entries:
             if entry.block_hash is not None:
                 self._uncache(entry)
-            units.extend(entry.units)
-            if entry.kind >= 0:          # dissolved: every unit is loose again
+            if entry.kind < 0:
+                units.append(entry.block_id)
+            else:                        # dissolved: every unit is loose again
+                units.extend(entry.units)
                 entry.kind, entry.units = -1, (entry.block_id,)
         blocks = self.blocks
-        self.free.add_leftover([blocks[u] for u in units[width:]])
+        if len(units) > width:
+            self.free.add_leftover([blocks[u] for u in units[width:]])
         head = blocks[units[0]]
         if width > 1:
             head.kind, head.units = group, tuple(units[:width])

@@ -18,6 +18,10 @@ class GroupCoordinator:
         self._dropping = [g for g in self.groups if g.drops]
         self.alignment = lcm(*(s.block_size for s in specs))
         self._block_sizes = sorted({s.block_size for s in specs})
+        seen: set[int] = set()
+        for g in self._search_order:    # one group per block size (one dropping nothing, if any) tells the
+            g.learns_chains = g.block_size not in seen      # free queue how chains go on
+            seen.add(g.block_size)
         self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
         # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
         self._quiet: dict[str, tuple[int, int, int]] = {}

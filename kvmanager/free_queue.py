@@ -70,9 +70,6 @@ class Bin:
         self.counted = False        # tier 3: a hit on it was counted (once per batch)
         self.young = False          # tier 3: last visited youngest-first
 
-    def queue(self, block) -> OrderedDict:
-        return self.loose if block.kind < 0 else self.composites[block.kind]
-
     def entries(self) -> list:
         out = list(self.loose.values())
         for q in self.composites:
@@ -102,6 +99,7 @@ class FreeQueue:
         self._ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()  # hash -> (stamp, youngest-first)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
+        self.fresh = False            # the last take's entries are loose units holding nothing
         empty = self._tiers[EMPTY]
         for unit in units:
             self._push(unit, empty)
@@ -221,9 +219,18 @@ class FreeQueue:
         """Free entries to make one block of ``kind`` from (the caller checked that enough units are free):
         ``[composite of kind]`` to reuse as is, or entries whose units, in order, compose it."""
         k = self.widths[kind]
-        empty = self._tiers[EMPTY]
+        tiers = self._tiers
+        empty = tiers[EMPTY]
         if len(empty.loose) >= k and not (k > 1 and empty.composites[kind]):
-            return self._pop_empty(k)                    # the common case while the pool has room
+            self.fresh = True                            # the common case while the pool has room
+            return self._pop_empty(k)
+        self.fresh = False
+        if k == 1:                                       # the front loose unit of the first tier with room
+            for b in tiers:
+                if b.units:
+                    if b.loose:
+                        return [self._pop(next(iter(b.loose.values())), b)]
+                    break
         lower: list[Bin] = []
         have = lower_loose = 0
         for b in self._bins():
@@ -293,8 +300,6 @@ class FreeQueue:
         empty = self._tiers[EMPTY]
         popitem = empty.loose.popitem
         out = [popitem(last=False)[1] for _ in range(n)]
-        for unit in out:
-            unit.bin = None
         empty.units -= n
         self.num_free_units -= n
         return out
@@ -311,11 +316,10 @@ class FreeQueue:
         return entry
 
     def _unlink(self, entry, b: Bin) -> None:
-        del b.queue(entry)[entry.block_id]
+        del (b.loose if entry.kind < 0 else b.composites[entry.kind])[entry.block_id]
         n = len(entry.units)
         b.units -= n
         self.num_free_units -= n
-        entry.bin = None
         if b.batches is not None:
             self._reusable_units -= n
             if not b.units:
@@ -334,7 +338,7 @@ class FreeQueue:
                 batches[id(b)] = b
 
     def _push(self, block, b: Bin, front: bool = False) -> None:
-        queue = b.queue(block)
+        queue = b.loose if block.kind < 0 else b.composites[block.kind]
         queue[block.block_id] = block
         if front:
             self._front -= 1

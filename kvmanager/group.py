@@ -26,6 +26,7 @@ class KVCacheGroup:
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already in the cache
         self._num_dropped: dict[str, int] = {}  # leading null entries of each table (nulls are a prefix)
         self.num_held = 0   # distinct blocks this group's tables hold (a block serves one group at a time)
+        self.learns_chains = True   # tells the free queue each cached block's parent (one group per block size)
 
     # -- prefix hits ---------------------------------------------------------------------------
     def longest_hit(self, request: Request, max_tokens: int) -> int:
@@ -82,8 +83,8 @@ class KVCacheGroup:
         or nowhere known."""
         bs = self.block_size
         first = self.spec.first_needed_token
-        end = (len(request.prompt_token_ids) - 1) // bs
-        prompt_end = range(first(end * bs) // bs, end)
+        end = (len(request.prompt_token_ids) - 1) // bs        # a resend's hit ends here (in blocks)
+        prompt_from = first(end * bs) // bs if span.start < end else end
         below_fork: set[int] = set()
         forks = self.pool.free.forks
         if forks:
@@ -93,8 +94,14 @@ class KVCacheGroup:
             for e in range(span.start + 1, last + 1):
                 if hashes[e - 1] in forks:
                     below_fork.update(range(first(e * bs) // bs, e))
-        return [(b, REACH_FORK if i in below_fork else REACH_PROMPT_END if i in prompt_end else REACH_NONE)
-                for i, b in zip(span, dropped) if b.ref_cnt == 0]
+        out = []
+        i = span.start
+        for b in dropped:
+            if b.ref_cnt == 0:
+                out.append((b, REACH_FORK if i in below_fork else
+                            REACH_PROMPT_END if prompt_from <= i < end else REACH_NONE))
+            i += 1
+        return out
 
     # -- allocation ----------------------------------------------------------------------------
     def num_new_blocks(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
@@ -135,11 +142,11 @@ class KVCacheGroup:
         """Enter blocks ``[num_cached, end)``, full of known tokens once this step runs, into the cache."""
         rid = request.request_id
         hashes = request.block_hashes(self.block_size)
-        cache, gid, null = self.pool.cache, self.group_id, self.pool.null_block
+        cache, gid, null, learns = self.pool.cache, self.group_id, self.pool.null_block, self.learns_chains
         for i in range(self._num_cached[rid], end):
             block = table[i]
             if block is not null and block.block_hash is None:
-                cache(block, gid, hashes[i], hashes[i - 1] if i else None)
+                cache(block, gid, hashes[i], hashes[i - 1] if i and learns else None)
         self._num_cached[rid] = end
 
     def quiet_until(self, request: Request) -> tuple[int, int, int]:
