@@ -168,7 +168,7 @@ class OrderedPolicy:
         pass
 
 
-class SwakvNow(OrderedPolicy):
+class DropFront(OrderedPolicy):
     """kvmanager before issue 8: a dropped block no prefix hit shared goes to the front; all else to the back."""
 
     def release(self, blocks, reason: str) -> None:
@@ -548,7 +548,7 @@ class Adaptive(OrderedPolicy):
         return block
 
 
-POLICIES = {"drop-front": SwakvNow, "lru": Lru, "tiered": Tiered, "reuse": ReuseAware, "adaptive": Adaptive}
+POLICIES = {"drop-front": DropFront, "lru": Lru, "tiered": Tiered, "reuse": ReuseAware, "adaptive": Adaptive}
 
 
 # -- the simulated manager -------------------------------------------------------------------------

@@ -47,8 +47,6 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
-# What a dropped block's position tells (``add_dropped``): a hit can end just above it at ...
-REACH_NONE, REACH_PROMPT_END, REACH_FORK = 0, 1, 2
 
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
 VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
@@ -108,21 +106,24 @@ class FreeQueue:
         return self.num_free_units
 
     # -- where freed blocks go -----------------------------------------------------------------
-    def add_dropped(self, blocks) -> None:
-        """``(block, reach)`` pairs a running request no longer needs (out of its window), no one else
-        holds, in table order. ``reach``: a hit can end just above the block at a fork of its chain
-        (``REACH_FORK``), at its prompt end (``REACH_PROMPT_END``), or nowhere known (``REACH_NONE``)."""
+    def add_dropped(self, blocks, first: int, below_fork, below_prompt_end) -> None:
+        """Blocks a running request dropped (out of its window), in table order from index ``first``; those
+        no one else holds wait by where a hit could still end just above them: at a fork of the request's
+        chain (their indices in ``below_fork``), at its prompt end (``below_prompt_end``), nowhere known."""
         proven = []
         tiers = self._tiers
-        for block, reach in blocks:
-            if block.block_hash is None:
-                self._push(block, tiers[EMPTY])
-            elif reach == REACH_FORK:
-                proven.append(block)
-            elif block.shared or reach == REACH_NONE:    # shared: consumed by a hit that extended the chain
-                self._push(block, tiers[UNREACHABLE])
-            else:
-                self._push(block, tiers[SPECULATIVE])
+        i = first
+        for block in blocks:
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self._push(block, tiers[EMPTY])
+                elif i in below_fork:
+                    proven.append(block)
+                elif block.shared or i not in below_prompt_end:   # shared: consumed by a hit that
+                    self._push(block, tiers[UNREACHABLE])         # extended the chain
+                else:
+                    self._push(block, tiers[SPECULATIVE])
+            i += 1
         if proven:
             self._release_batches([], proven)
 

@@ -8,7 +8,6 @@ A block of a group of ``width`` k is a composite of k pool units (``block_pool``
 from __future__ import annotations
 
 from .block_pool import NULL_BLOCK_ID, Block, BlockPool
-from .free_queue import REACH_FORK, REACH_NONE, REACH_PROMPT_END
 from .request import Request
 from .specs import NEVER, AttentionSpec
 
@@ -73,34 +72,27 @@ class KVCacheGroup:
         table[span.start:span.stop] = [self.pool.null_block] * len(span)
         self._num_dropped[rid] = span.stop
         freed = self.pool.unref(dropped)
-        if freed:
+        if freed:          # the free queue decides where they wait, from where a hit could still end:
             self.num_held -= len(freed)
-            self.pool.free.add_dropped(self._reach(request, span, dropped))   # the free queue decides where
+            bs = self.block_size
+            end = (len(request.prompt_token_ids) - 1) // bs    # a resend's hit (in blocks)
+            below_end = range(self.spec.first_needed_token(end * bs) // bs if span.start < end else end, end)
+            below_fork = self._below_forks(request, span) if self.pool.free.forks else ()
+            self.pool.free.add_dropped(dropped, span.start, below_fork, below_end)
 
-    def _reach(self, request: Request, span: range, dropped: list[Block]) -> list[tuple[Block, int]]:
-        """For each dropped block no one holds now: where a hit could still end just above it. At a fork
-        of the request's chain (a lookup or a cached block left it there), at the prompt end (a resend),
-        or nowhere known."""
+    def _below_forks(self, request: Request, span: range) -> set[int]:
+        """Indices in ``span`` that a hit ending at a fork of the request's chain needs (a lookup or a
+        cached block left the fork there)."""
         bs = self.block_size
         first = self.spec.first_needed_token
-        end = (len(request.prompt_token_ids) - 1) // bs        # a resend's hit ends here (in blocks)
-        prompt_from = first(end * bs) // bs if span.start < end else end
-        below_fork: set[int] = set()
         forks = self.pool.free.forks
-        if forks:
-            hashes = request.block_hashes(bs, 0)
-            # hit ends e whose needed blocks [first(e * bs) // bs, e) meet the span
-            last = min(len(hashes), -(-self.spec.computed_to_reach(span.stop * bs) // bs) - 1)
-            for e in range(span.start + 1, last + 1):
-                if hashes[e - 1] in forks:
-                    below_fork.update(range(first(e * bs) // bs, e))
-        out = []
-        i = span.start
-        for b in dropped:
-            if b.ref_cnt == 0:
-                out.append((b, REACH_FORK if i in below_fork else
-                            REACH_PROMPT_END if prompt_from <= i < end else REACH_NONE))
-            i += 1
+        hashes = request.block_hashes(bs, 0)
+        out: set[int] = set()
+        # hit ends e whose needed blocks [first(e * bs) // bs, e) meet the span
+        last = min(len(hashes), -(-self.spec.computed_to_reach(span.stop * bs) // bs) - 1)
+        for e in range(span.start + 1, last + 1):
+            if hashes[e - 1] in forks:
+                out.update(range(first(e * bs) // bs, e))
         return out
 
     # -- allocation ----------------------------------------------------------------------------

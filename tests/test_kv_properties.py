@@ -13,7 +13,6 @@ from kvmanager import (NULL_BLOCK_ID, ChunkedLocalAttention, FullAttention, KVCa
                        SlidingWindow)
 from kvmanager.block_pool import BlockPool
 from kvmanager.coordinator import GroupCoordinator
-from kvmanager.free_queue import REACH_NONE
 
 BLOCK_SIZES = st.sampled_from([1, 2, 4])
 SPEC = st.one_of(
@@ -137,7 +136,7 @@ def test_manager_get_computed_blocks_equals_oracle_after_real_eviction(specs, le
     for bid in evict:              # as if a running request had dropped them: below the finished chain ...
         pool.touch([pool.blocks[bid]])
         pool.blocks[bid].shared = False
-        pool.free.add_dropped([(b, REACH_NONE) for b in pool.unref([pool.blocks[bid]])])
+        pool.free.add_dropped(pool.unref([pool.blocks[bid]]), 0, (), ())
     empty = sum(1 for b in pool.blocks[1:] if b.block_hash is None)   # partial blocks: they go first
     taken = pool.take(empty + len(evict), 0)            # ... where new blocks come from
     assert {b.block_id for b in taken} >= set(evict)

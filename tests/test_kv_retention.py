@@ -15,7 +15,7 @@ import pytest
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block, BlockPool
-from kvmanager.free_queue import REACH_NONE, THRESHOLD, FreeQueue
+from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 
 def ids(hit):
@@ -407,7 +407,7 @@ def test_another_kind_dissolves_a_dropped_composite_and_keeps_an_older_finished_
     pool.cache(old, 1, b"old")
     pool.cache(new, 1, b"new")
     pool.free.add_released([(b, False) for b in pool.unref([old])])
-    pool.free.add_dropped([(b, REACH_NONE) for b in pool.unref([new])])
+    pool.free.add_dropped(pool.unref([new]), 0, (), ())           # below no fork and no prompt end
     assert pool.free.ids() == [3, 1]
     assert [b.block_id for b in pool.take(1, 0)] == [3]
     assert pool.free.ids() == [4, 1]                    # the leftover unit holds nothing: empty tier
