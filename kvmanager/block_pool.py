@@ -12,6 +12,11 @@ Unit 0 is the null block: it stands in tables for dropped entries and is never a
 A block whose count reaches zero joins the free queue but keeps its hash (lazy eviction): a later prefix
 hit takes it back out, and only reuse for new content forgets its hash. Which free block is reused first
 is the eviction policy, all of it in ``free_queue``.
+
+``events`` (optional, None by default) is told when a hash enters a group's cache (``stored``), when the
+last block holding it is reused (``removed``) and when the cache is reset (``cleared``): a data-parallel
+router learns each replica's cache from it. A block a request's window has left stays cached, so it
+makes no event until it is reused.
 """
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ class BlockPool:
         # Per group: block hash -> {block_id: block}. Two blocks may hold equal content.
         self._cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in range(num_groups)]
         self._compositions: list[tuple[int, int, tuple[int, ...]]] = []
+        # Optional sink: stored(group, hash, parent hash, block index), removed(group, hash), cleared().
+        self.events = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,12 +137,15 @@ class BlockPool:
             self.free.add_released(freed)
         return len(freed)
 
-    def cache(self, block: Block, group: int, block_hash: bytes) -> None:
+    def cache(self, block: Block, group: int, block_hash: bytes, parent: bytes | None = None, index: int = -1) -> None:
+        """Enter ``block`` (holding block ``index`` of a request, whose predecessor hashes to ``parent``)."""
         block.group = group
         block.block_hash = block_hash
         entry = self._cached[group].get(block_hash)
         if entry is None:
             self._cached[group][block_hash] = {block.block_id: block}
+            if self.events is not None:
+                self.events.stored(group, block_hash, parent, index)
         else:
             entry[block.block_id] = block
 
@@ -144,6 +154,8 @@ class BlockPool:
         del entry[block.block_id]
         if not entry:
             del self._cached[block.group][block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.group, block.block_hash)
         block.group = -1
         block.block_hash = None
 
@@ -152,6 +164,8 @@ class BlockPool:
             block.group, block.block_hash, block.shared = -1, None, False
         for cache in self._cached:
             cache.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # -- compositions, for the workers ---------------------------------------------------------
     def pop_compositions(self) -> list[tuple[int, int, tuple[int, ...]]]:
