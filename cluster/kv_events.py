@@ -182,6 +182,10 @@ class KVIndex:
     def synced(self) -> bool:
         return self.seq is not None
 
+    def cached(self, group: int) -> set[bytes] | frozenset:
+        """The hashes group ``group`` caches (empty if no event named the group yet)."""
+        return self.groups[group] if group < len(self.groups) else frozenset()
+
     def apply(self, seq: int, payload: bytes) -> None:
         """Apply the batch that follows the last one; raises ``Gap`` otherwise (nothing applied)."""
         if self.seq is None or seq != self.seq + 1:

@@ -33,7 +33,6 @@ from kvmanager.hashing import HASH_BYTES, hash_blocks, root_hash
 from .kv_events import KVIndex
 
 ROUTERS = ("round-robin", "least-loaded", "prefix", "ray-prefix-tree")
-_EMPTY: frozenset = frozenset()
 
 
 class PromptHashes:
@@ -109,7 +108,7 @@ def prefix_hit(replica: Replica, prompt: PromptHashes) -> int:
         return 0
     searches = []
     for g, spec in enumerate(rule.specs):
-        cached = index.groups[g] if g < len(index.groups) else _EMPTY
+        cached = index.cached(g)
         bs = spec.block_size
 
         def first_miss(start: int, stop: int, cached=cached, bs=bs) -> int:
