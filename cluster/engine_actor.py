@@ -145,12 +145,17 @@ class EngineService:
     async def stats(self) -> dict:
         await self._started()
         return {**self.engine.stats(), "model": self.info.get("model"), "status": self.status,
-                "replica": self.rank, "kv_events_seq": self.events.seq}
+                "replica": self.rank, "kv_events_epoch": self.events.epoch, "kv_events_seq": self.events.seq,
+                "prefix_cached_blocks": self.events.num_cached()}
 
     def _load(self) -> dict:
+        """What a router weighs: queue lengths, KV usage, and prompt tokens not yet computed (prefill
+        backlog: what a new request's first token waits behind, as chunked prefill shares each step)."""
         s = self.engine.scheduler
+        backlog = sum(len(q.req.prompt_token_ids) - q.req.num_computed_tokens for q in s.sequences.values()
+                      if q.req.num_computed_tokens < len(q.req.prompt_token_ids))
         return {"status": self.status, "running": len(s.running), "waiting": len(s.waiting),
-                "kv_usage": self.engine.manager.usage}
+                "kv_usage": self.engine.manager.usage, "prefill_backlog": backlog}
 
     async def kv_events(self, epoch: str | None = None, after: int = 0, wait_s: float = 0.0) -> dict:
         """KV-cache events a consumer has not applied: ``{"epoch", "load", "batches": [(seq, msgpack

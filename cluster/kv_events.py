@@ -88,6 +88,10 @@ class EventPublisher:
         self.cleared()
         manager.pool.events = self
 
+    def num_cached(self) -> list[int]:
+        """Hashes each group caches now (what a consumer's index should hold once it is up to date)."""
+        return [len(known) for known in self._known]
+
     # -- the sink ---------------------------------------------------------------------------------
     def stored(self, group: int, block_hash: bytes, parent: bytes | None, index: int) -> None:
         self._known[group][block_hash] = (parent, index)

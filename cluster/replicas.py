@@ -43,6 +43,9 @@ class ReplicaSet:
         self.routed: Counter = Counter()        # (replica name, reason) -> requests
         self.retries = 0                        # requests moved to another replica before their first token
         self.downs: Counter = Counter()         # replica name -> times it was found down
+        self.expected_hit_tokens = 0            # prompt tokens the router expected the chosen replicas to hit
+        self.shortfall_tokens = 0               # ... that they did not find (evicted before admission)
+        self._expected: dict[str, int] = {}     # replica name -> the last choice's expected hit
 
     # -- handles ---------------------------------------------------------------------------------
     def handle(self, replica: Replica):
@@ -105,6 +108,7 @@ class ReplicaSet:
     def _apply(self, replica: Replica, reply: dict) -> None:
         load = reply["load"]
         replica.running, replica.waiting, replica.kv_usage = load["running"], load["waiting"], load["kv_usage"]
+        replica.backlog, replica.sent_tokens = load["prefill_backlog"], 0   # the report counts what was sent
         idx = replica.index
         if "snapshot" in reply:
             idx.load(reply["epoch"], *reply["snapshot"])
@@ -124,6 +128,11 @@ class ReplicaSet:
         for task in self._tasks.values():
             task.cancel()
 
+    def check_hit(self, replica: Replica, cached: int) -> None:
+        """The engine's first item says how much it found cached: count what the router expected more."""
+        expected = self._expected.pop(replica.name, 0)
+        self.shortfall_tokens += max(0, expected - cached)
+
     # -- routing ---------------------------------------------------------------------------------
     def candidates(self, prompt: PromptHashes, affinity: Replica | None, tried: set[str]) -> list[Replica]:
         """Replicas to try, best first: the affinity replica (an ``n`` sibling's) if ready, else the
@@ -140,5 +149,7 @@ class ReplicaSet:
             choice = self.router.choose(ready, prompt)
             first = [choice.replica]
             self.routed[(choice.replica.name, choice.reason)] += 1
+            self.expected_hit_tokens += choice.hit_tokens
+            self._expected[choice.replica.name] = choice.hit_tokens
         rest = [r for r in self.replicas if r.name not in tried and r not in first and not r.ready]
         return first + rest

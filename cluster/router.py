@@ -5,9 +5,11 @@ valid for every KV-cache group under that group's own window rule, found by the 
 (``AttentionSpec.longest_hit`` per group, ``HitRule`` for the length all groups agree on) run on the
 hashes the replica's KV events say it caches (``kv_events.KVIndex``). A sliding group needs only the last
 window's blocks cached, so a replica that has evicted the start of a long prompt can still offer a hit
-a text-prefix router would never see. It takes the best hit unless that replica is overloaded (its
-queue exceeds the shortest by more than ``max(abs_slack, rel_slack x shortest)``, or its KV pool is
-full while another's is not), in which case it takes the less loaded of two random replicas.
+a text-prefix router would never see; and a replica whose window blocks were evicted offers no phantom
+hit. It takes the best hit unless that replica is overloaded (requests wait there for admission while
+another replica has fewer waiting, or its KV pool is full while another's is not), in which case it
+takes the one with less prefill work ahead of the first token of two random replicas (power of two
+choices).
 
 A prompt's block hashes are computed lazily and once (``PromptHashes``): the scoring of every replica
 shares them, and the chosen engine receives them with the request instead of hashing the prompt again.
@@ -92,12 +94,20 @@ class Replica:
     running: int = 0                     # as it last reported
     waiting: int = 0
     kv_usage: float = 0.0
+    backlog: int = 0                     # prompt tokens it has yet to compute, as it last reported
     in_flight: int = 0                   # requests this app routed to it that have not ended
+    sent_tokens: int = 0                 # uncached prompt tokens this app sent it since its last report
+    prefilling: list = field(default_factory=list)   # prompts routed here whose first token has not come
 
     @property
     def load(self) -> int:
         """Queue length: the replica's running + waiting, or what this app sent it if more (not reported yet)."""
         return max(self.running + self.waiting, self.in_flight)
+
+    def wait_tokens(self, uncached: int) -> int:
+        """Prompt tokens to compute on this replica before a request's first token: the backlog ahead of it
+        (chunked prefill serves requests in turn) and its own uncached tokens."""
+        return self.backlog + self.sent_tokens + uncached
 
 
 def prefix_hit(replica: Replica, prompt: PromptHashes) -> int:
@@ -112,18 +122,48 @@ def prefix_hit(replica: Replica, prompt: PromptHashes) -> int:
         bs = spec.block_size
 
         def first_miss(start: int, stop: int, cached=cached, bs=bs) -> int:
-            """First block in [start, stop) not cached; hashes lazily, doubling, at C speed per stretch."""
+            """First block in [start, stop) not cached; hashes lazily, doubling, at C speed per stretch
+            (a whole stretch cached, the common case of a hit, is one ``issuperset``)."""
             i = start
             while i < stop:
                 chain = prompt.upto(bs, min(stop, 2 * i + 1))
                 end = min(stop, len(chain))
-                i += len(list(takewhile(cached.__contains__, islice(chain, i, end))))
-                if i < end:
-                    return i
+                if not cached.issuperset(islice(chain, i, end)):
+                    return i + len(list(takewhile(cached.__contains__, islice(chain, i, end))))
+                i = end
             return stop
 
         searches.append(lambda bound, spec=spec, bs=bs, f=first_miss: spec.longest_hit(None, bound // bs, f) * bs)
     return rule.longest(searches, prompt.num_tokens - 1)
+
+
+def common_prefix_tokens(a: PromptHashes, b: PromptHashes, block_size: int) -> int:
+    """Tokens of the longest common prefix of whole blocks: a chained hash equal at block ``i`` means
+    blocks ``0 .. i`` are equal, so a binary search over the chains finds it in O(log n) comparisons."""
+    n = min(a.num_tokens, b.num_tokens) // block_size
+    if n == 0 or a.upto(block_size, 1)[0] != b.upto(block_size, 1)[0]:
+        return 0             # the common case, decided without hashing further
+    ha, hb = a.upto(block_size, n), b.upto(block_size, n)
+    lo, hi = 1, n            # blocks [0, lo) are equal; block hi - 1 is known to differ if hi < n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ha[mid - 1] == hb[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * block_size
+
+
+def prefilling_hit(replica: Replica, prompt: PromptHashes) -> int:
+    """The hit a prompt can expect from the requests routed to ``replica`` that are still being prefilled:
+    their blocks are cached step by step as it computes them, so a request sharing their prefix that is
+    admitted meanwhile or after reuses them (whether they stay depends on later evictions)."""
+    rule = replica.rule
+    if rule is None or not replica.prefilling:
+        return 0
+    bs = rule.specs[0].block_size
+    best = max(common_prefix_tokens(prompt, other, bs) for other in replica.prefilling)
+    return min(best, prompt.num_tokens - 1) // rule.alignment * rule.alignment
 
 
 @dataclass
@@ -175,33 +215,40 @@ class LeastLoaded(Router):
 
 
 class PrefixAware(Router):
-    """Best window-aware hit unless that replica is overloaded; then power of two choices."""
+    """Best window-aware hit unless that replica is overloaded; then power of two choices.
+
+    A replica's hit is what its cache grants now (``prefix_hit``) or, if more, what the requests it is
+    still prefilling will have cached (``prefilling_hit``): a burst of requests for one new document go
+    together, and their document then stays cached there, shared. Overloaded: more requests wait there
+    to be admitted (no KV room, no batch slot) than on the least waited-on replica, by ``slack`` or more.
+    Then two random replicas are drawn and the one with less prefill work ahead of the request's first
+    token (its uncached tokens included) takes it. Among equal hits, and for a prompt no replica has, the
+    least such work wins: chunked prefill serves running requests in turn, so that work is what a first
+    token waits for."""
 
     name = "prefix"
 
-    def __init__(self, abs_slack: int = 4, rel_slack: float = 0.5, kv_full: float = 0.95, seed: int = 0):
-        self.abs_slack, self.rel_slack, self.kv_full = abs_slack, rel_slack, kv_full
+    def __init__(self, slack: int = 4, seed: int = 0):
+        self.slack = slack
         self._rng = random.Random(seed)
         self._next = 0
 
     def choose(self, replicas, prompt):
-        hits = [prefix_hit(r, prompt) for r in replicas]
-        # the longest hit; among equal hits the shortest queue, then the emptier pool, then round the ranks
-        best = min(range(len(replicas)), key=lambda i: (-hits[i], replicas[i].load, replicas[i].kv_usage,
+        n = prompt.num_tokens
+        hits = [max(prefix_hit(r, prompt), prefilling_hit(r, prompt)) for r in replicas]
+        work = [r.wait_tokens(n - h) for r, h in zip(replicas, hits)]
+        # the longest hit; among equal hits the least work ahead, then the emptier pool, then round the ranks
+        best = min(range(len(replicas)), key=lambda i: (-hits[i], work[i], replicas[i].kv_usage,
                                                         (replicas[i].rank - self._next) % (1 << 30)))
-        pick, reason = replicas[best], "best-hit" if hits[best] else "least-loaded"
-        if len(replicas) > 1 and self.overloaded(pick, replicas):
+        reason = "best-hit" if hits[best] else "least-loaded"
+        if len(replicas) > 1 and replicas[best].waiting - min(r.waiting for r in replicas) >= self.slack:
             a, b = self._rng.sample(range(len(replicas)), 2)
-            best = min((a, b), key=lambda i: (replicas[i].load, -hits[i]))
-            pick, reason = replicas[best], "overloaded"
+            best = min((a, b), key=lambda i: (work[i], -hits[i]))
+            reason = "overloaded"
+        pick = replicas[best]
+        pick.sent_tokens += n - hits[best]
         self._next = pick.rank + 1
         return Choice(pick, hits[best], reason)
-
-    def overloaded(self, r: Replica, replicas: list[Replica]) -> bool:
-        shortest = min(x.load for x in replicas)
-        if r.load - shortest > max(self.abs_slack, self.rel_slack * shortest):
-            return True
-        return r.kv_usage >= self.kv_full and min(x.kv_usage for x in replicas) < self.kv_full
 
 
 class RayPrefixTree(Router):

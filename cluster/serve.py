@@ -403,6 +403,12 @@ def prometheus_text(per_replica: dict[int, dict | None], replicas: ReplicaSet | 
                "router), by replica and reason (best-hit, overloaded, least-loaded, round-robin, sibling, ...).",
                [(f'{{replica="{rank[name]}",reason="{reason}"}}', n)
                 for (name, reason), n in sorted(replicas.routed.items())])
+        family("swakv_router_expected_hit_tokens_total", "counter",
+               "Prompt tokens the prefix router expected the replicas it chose to find cached.",
+               [("", replicas.expected_hit_tokens)])
+        family("swakv_router_hit_shortfall_tokens_total", "counter",
+               "Prompt tokens the router expected a replica to find cached that it did not (evicted meanwhile).",
+               [("", replicas.shortfall_tokens)])
         family("swakv_router_retries_total", "counter",
                "Requests moved to another replica before their first token (the first was gone or refused).",
                [("", replicas.retries)])
@@ -485,6 +491,7 @@ class OpenAIServer:
             stream = engine.generate.options(num_returns="streaming").remote(
                 label, prompt.token_ids, params, prompt.for_engine())
             replica.in_flight += 1
+            replica.prefilling.append(prompt)   # its blocks get cached there as the prefill goes
             try:
                 item = await (await stream.__anext__())
             except RayActorError:
@@ -502,11 +509,14 @@ class OpenAIServer:
                     last = error
                     continue
                 raise error from None
+            finally:
+                replica.prefilling.remove(prompt)
             if item["finish_reason"] == "error" and item.get("error_type") in _RETRY_ELSEWHERE \
                     and not item["token_ids"]:
                 replica.in_flight -= 1
                 last = _from_item(item)
                 continue
+            self.replicas.check_hit(replica, item.get("num_cached_tokens", 0))
             return replica, engine, stream, item
 
     async def _items(self, label: str, prompt: PromptHashes, params: dict, choice: _Choice | None = None):

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.kv_events import EventPublisher, KVIndex
-from cluster.router import (LeastLoaded, PrefixAware, PromptHashes, RayPrefixTree, Replica, RoundRobin, make_router,
-                            prefix_hit, split_hashes)
+from cluster.router import (LeastLoaded, PrefixAware, PromptHashes, RayPrefixTree, Replica, RoundRobin,
+                            common_prefix_tokens, make_router, prefix_hit, split_hashes)
 from cluster.scheduler import SamplingParams
 from kvmanager import Request
 from kvmanager.coordinator import HitRule
@@ -95,37 +95,51 @@ def hybrid_replicas(prompt: list[int], holders: tuple[int, ...]) -> list[Replica
 PROMPT = SHARED[0] * 3          # 60 tokens: 15 blocks of 4
 
 
-def test_equal_hits_go_to_the_shorter_queue_and_an_overloaded_best_hit_is_passed_over():
+def test_equal_hits_go_to_the_least_work_and_an_overloaded_best_hit_is_passed_over():
     replicas = hybrid_replicas(PROMPT, holders=(0, 2))
-    ask = PromptHashes(PROMPT + [1, 1])
-    router = PrefixAware(abs_slack=4, rel_slack=0.5)
-    replicas[0].running, replicas[2].running = 3, 1
-    assert (router.choose(replicas, ask).replica.rank, router.choose(replicas, ask).hit_tokens) == (2, 60)
-    replicas[2].running = 5                       # 5 - 3 is within the slack of max(4, 0.5 x 3): still a hit
-    assert router.choose(replicas, ask).replica.rank == 0
-    replicas[1].running, replicas[2].running, replicas[0].running = 0, 5, 5
-    # both holders are 5 ahead of replica 1 (slack 4): overloaded, so the shorter queue of two random replicas
-    choices = [router.choose(replicas, ask) for _ in range(30)]
+    ask = PromptHashes(PROMPT + [1, 1])            # 62 tokens: 60 cached on replicas 0 and 2, 2 to compute
+    router = PrefixAware(slack=4)
+    replicas[0].backlog, replicas[2].backlog = 30, 10
+    choice = router.choose(replicas, ask)          # work ahead of its first token: 32, 62, 12
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (2, 60, "best-hit")
+    assert replicas[2].sent_tokens == 2            # counted until its next report
+    replicas[2].backlog, replicas[2].sent_tokens = 100, 0
+    assert router.choose(replicas, ask).replica.rank == 0   # 32, 62, 102: the other holder
+    replicas[0].sent_tokens = 0
+    replicas[0].waiting, replicas[2].waiting, replicas[1].waiting = 3, 5, 0
+    assert router.choose(replicas, ask).replica.rank == 0   # 3 waiting more than replica 1: within the slack
+    replicas[0].waiting = 4
+    # both holders have 4 or more requests waiting for admission than replica 1: overloaded, so the one
+    # with less work of two random replicas (the holders' backlogs were made large)
+    replicas[0].backlog = replicas[2].backlog = 200
+    choices = []
+    for _ in range(30):
+        choices.append(router.choose(replicas, ask))
+        for r in replicas:
+            r.sent_tokens = 0
     assert {c.reason for c in choices} == {"overloaded"}
     assert {c.replica.rank for c in choices if c.hit_tokens == 0} == {1}    # the cold replica is replica 1
-    assert sum(c.replica.rank == 1 for c in choices) >= 15            # drawn in 2 of every 3 pairs
+    assert sum(c.replica.rank == 1 for c in choices) >= 15                # drawn in 2 of every 3 pairs
 
 
-def test_a_best_hit_whose_kv_pool_is_full_while_another_has_room_is_overloaded():
-    replicas = hybrid_replicas(PROMPT, holders=(0,))
-    ask = PromptHashes(PROMPT + [2])
-    router = PrefixAware(kv_full=0.95)
-    replicas[0].kv_usage = 0.97
-    replicas[1].kv_usage = replicas[2].kv_usage = 0.3
-    assert {router.choose(replicas, ask).reason for _ in range(10)} == {"overloaded"}
-    replicas[1].kv_usage = replicas[2].kv_usage = 0.96     # all full: the hit is still the best bet
-    assert router.choose(replicas, ask).replica.rank == 0
+def test_a_burst_for_one_new_prefix_goes_where_it_is_being_prefilled():
+    replicas = hybrid_replicas(PROMPT, holders=())
+    router = PrefixAware()
+    doc = [1, 2, 3, 0] * 40                         # 160 tokens no replica has
+    first = router.choose(replicas, PromptHashes(doc + [1]))
+    assert (first.hit_tokens, first.reason) == (0, "least-loaded")
+    first.replica.prefilling.append(PromptHashes(doc + [1]))
+    second = router.choose(replicas, PromptHashes(doc + [2, 2, 2, 2, 2]))
+    assert (second.replica, second.hit_tokens, second.reason) == (first.replica, 160, "best-hit")
+    assert common_prefix_tokens(PromptHashes(doc + [1] * 7), PromptHashes(doc + [2] * 9), 4) == 160
+    assert common_prefix_tokens(PromptHashes(doc[:37]), PromptHashes(doc), 4) == 36       # whole blocks only
+    assert common_prefix_tokens(PromptHashes([3] + doc), PromptHashes(doc), 4) == 0
 
 
-def test_a_cold_prompt_goes_to_the_shortest_queue_and_a_sliding_hit_needs_only_the_window():
+def test_a_cold_prompt_goes_to_the_least_work_and_a_sliding_hit_needs_only_the_window():
     replicas = hybrid_replicas(PROMPT, holders=(1,))
     router = PrefixAware()
-    replicas[0].running, replicas[1].running, replicas[2].running = 2, 0, 1
+    replicas[0].backlog, replicas[1].backlog, replicas[2].backlog = 500, 0, 100
     cold = router.choose(replicas, PromptHashes([3, 3, 3] * 10))
     assert (cold.replica.rank, cold.hit_tokens, cold.reason) == (1, 0, "least-loaded")
     # a sliding-only layout (Mistral-like, W 12, blocks of 4): a replica that lost the prompt's first blocks
