@@ -78,16 +78,17 @@ def start_engine_actors(build_kwargs: dict, data_parallel_size: int = 1, *, base
 
 
 def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max_restarts: int = 1,
-                       timeout_s: float = 900.0, detached: bool = False, resources: dict | None = None):
-    """One engine actor named ``name`` (a deployment of one replica, or a test's), started with its
-    workers; returns (handle, info)."""
+                       timeout_s: float = 900.0, detached: bool = False, resources: dict | None = None,
+                       rank: int = 0):
+    """One engine actor named ``name`` (replica ``rank`` of a deployment, or a test's engine), started
+    with its workers; returns (handle, info)."""
     import ray
     from .llm import build_engine
     actor_cls = ray.remote(EngineService)
     handle = actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
                                max_task_retries=0, max_concurrency=1000,
                                lifetime="detached" if detached else None, resources=resources or {},
-                               ).remote(build_engine, use_ray=True, **build_kwargs)
+                               ).remote(build_engine, rank=rank, use_ray=True, **build_kwargs)
     try:
         info = ray.get(handle.ready.remote(), timeout=timeout_s)
     except ray.exceptions.RayActorError as exc:

@@ -332,7 +332,7 @@ def wait_healthy(url: str, timeout_s: float = 60.0, ready: int = 1) -> None:
     while time.monotonic() < deadline:
         try:
             r = httpx.get(url + "/health", timeout=10.0, trust_env=False)
-            if r.status_code == 200 and r.json().get("ready", 0) >= ready:
+            if r.status_code == 200 and min(r.json().get("ready", 0), r.json().get("routable", 0)) >= ready:
                 return
             last = f"HTTP {r.status_code}: {r.text[:200]}"
         except httpx.HTTPError as exc:
@@ -497,10 +497,10 @@ def run_one(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, router: str
     label = router if cfg.routers else layout
     try:
         placement = [stage_nodes(cluster, h, cfg.pipeline_parallel_size) for h in handles]
-        if url_holder.get("router") != router:
+        if url_holder.get("app") != (router, dp):     # the app names its engines and its router
             url_holder["port"] = url_holder.get("port") or cfg.port or _free_port()
             url_holder["url"] = deploy_app(info, url_holder["port"], dp, router)
-            url_holder["router"] = router
+            url_holder["app"] = (router, dp)
         else:
             wait_healthy(url_holder["url"], ready=dp)
         url = url_holder["url"]

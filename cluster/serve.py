@@ -805,13 +805,15 @@ class OpenAIServer:
     async def health(self):
         """Readiness: 200 when at least one replica would serve a completion now (the router sends
         requests only to ready replicas); 503 (with why) when none would. ``replicas`` lists each one's
-        state: ready, starting, restarting, no_workers, stopping, or engine_restarted (does not answer)."""
+        state: ready, starting, restarting, no_workers, stopping, or engine_restarted (does not answer);
+        ``routable``: how many the router has caught up with (their KV events) and sends requests to."""
         self.replicas.follow()
         states = await asyncio.gather(*(self._replica_health(r) for r in self.replicas.replicas))
         report = {r.name: state for r, state in zip(self.replicas.replicas, states)}
         ready = [name for name, st in report.items() if st["status"] == "ready"]
+        routable = sum(r.ready for r in self.replicas.replicas)   # those the router follows and sends to
         if ready:
-            return {"status": "ok", "ready": len(ready), "replicas": report}
+            return {"status": "ok", "ready": len(ready), "routable": routable, "replicas": report}
         codes = {st["status"] for st in report.values()}
         if len(report) == 1:
             state = next(iter(report.values()))

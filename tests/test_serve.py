@@ -313,7 +313,7 @@ def test_models_health_metrics(url):
     models = httpx.get(url + "/v1/models", timeout=30).json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, MAX_LEN)]
     health = httpx.get(url + "/health", timeout=30)
-    assert (health.status_code, health.json()) == (200, {"status": "ok", "ready": 1, "replicas": {
+    assert (health.status_code, health.json()) == (200, {"status": "ok", "ready": 1, "routable": 1, "replicas": {
         ENGINE: {"status": "ready", "detail": ""}}})
 
     wait_idle()
