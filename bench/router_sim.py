@@ -8,8 +8,8 @@ cost model's time; a turn arrives, is routed (the router sees each replica's que
 backlog and cached hashes as of that moment), and its session's next turn arrives its think time after
 the answer's last token. TTFT is arrival to the first token's step end.
 
-    python bench/router_sim.py --workload chat --model gemma-3-27b
-    python bench/router_sim.py --workload qa --model gemma-3-27b --popularity 1
+    python bench/router_sim.py --workload chat --seeds 0,1,2,3,4
+    python bench/router_sim.py --workload qa --seeds 0,1,2,3,4
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import argparse
 import heapq
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,9 +86,6 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
             r = choice.replica.rank
             choice.replica.prefilling.append(ph)
             reasons[choice.reason] = reasons.get(choice.reason, 0) + 1
-            from cluster.router import prefix_hit as _ph
-            reasons["index_hit_k"] = reasons.get("index_hit_k", 0) + _ph(choice.replica, ph) / 1000
-            reasons["wait_at_route"] = reasons.get("wait_at_route", 0) + choice.replica.waiting
             engines[r].add_request(rid, prompt, SamplingParams(max_tokens=s.turns[k].max_tokens,
                                                                seed=request_seed(seed, s.session_id, k)))
             records[rid] = {"arrival": t, "prompt": len(prompt), "cached": None, "first": None, "tokens": [],
@@ -119,7 +115,6 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
     done = [x for x in records.values() if "end" in x]
     gpu_s = sum(e.metrics.simulated_time_s for e in engines)
     ttft = [x["first"] - x["arrival"] for x in done]
-    reasons["realized_k"] = sum(x["cached"] or 0 for x in done) / 1000
     return {"completed": len(done), "hit_rate": sum(x["cached"] or 0 for x in done) / sum(x["prompt"] for x in done),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "tokens_per_gpu_s": sum(len(x["tokens"]) for x in done) / gpu_s,
@@ -134,28 +129,39 @@ def main(argv=None) -> int:
     p.add_argument("--gpu", default="H100-80GB")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--kv-memory-gib", type=float, default=6.0)
-    p.add_argument("--duration", type=float, default=15.0)
+    p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--popularity", type=float, default=None)
     p.add_argument("--rate", type=float, default=None)
     p.add_argument("--sessions", type=int, default=None)
     p.add_argument("--routers", default=",".join(ROUTERS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="workload seeds, e.g. 0,1,2,3,4: one run each, then the means")
     args = p.parse_args(argv)
     knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
     for k in ("popularity", "rate", "sessions"):
         if getattr(args, k) is not None:
             knobs[k] = getattr(args, k)
-    sessions = WORKLOADS[args.workload](seed=args.seed, **knobs)
-    print(f"{args.workload} {knobs} on {args.replicas} x {args.model} ({args.gpu}), simulated time")
-    print(f"{'router':>16} {'done':>5} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/GPU-s':>10} "
-          f"{'preempt':>8}  per replica   (wall s)")
-    for name in args.routers.split(","):
-        t0 = time.perf_counter()
-        out = simulate(name, sessions, model=args.model, gpu=args.gpu, replicas=args.replicas,
-                       kv_memory=int(args.kv_memory_gib * (1 << 30)), duration_s=args.duration, seed=args.seed)
-        print(f"{name:>16} {out['completed']:>5} {out['hit_rate']:>9.1%} {out['ttft_p50'] * 1e3:>8.0f}m "
-              f"{out['ttft_p99'] * 1e3:>8.0f}m {out['tokens_per_gpu_s']:>10.1f} {out['preemptions']:>8}  "
-              f"{out['per_replica']}   ({time.perf_counter() - t0:.1f}) {out['reasons']}")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    routers = args.routers.split(",")
+    print(f"{args.workload} {knobs} on {args.replicas} x {args.model} ({args.gpu}), simulated time, seeds {seeds}")
+    print(f"{'router':>16} {'seed':>4} {'done':>5} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/GPU-s':>10} "
+          f"{'preempt':>8}  requests per replica, routing")
+    results: dict[str, list[dict]] = {r: [] for r in routers}
+    for seed in seeds:
+        sessions = WORKLOADS[args.workload](seed=seed, **knobs)
+        for name in routers:
+            out = simulate(name, sessions, model=args.model, gpu=args.gpu, replicas=args.replicas,
+                           kv_memory=int(args.kv_memory_gib * (1 << 30)), duration_s=args.duration, seed=seed)
+            results[name].append(out)
+            print(f"{name:>16} {seed:>4} {out['completed']:>5} {out['hit_rate']:>9.1%} {out['ttft_p50'] * 1e3:>8.0f}m "
+                  f"{out['ttft_p99'] * 1e3:>8.0f}m {out['tokens_per_gpu_s']:>10.1f} {out['preemptions']:>8}  "
+                  f"{out['per_replica']}  {', '.join(f'{k} {v}' for k, v in sorted(out['reasons'].items()))}")
+    if len(seeds) > 1:
+        print(f"\nmeans over {len(seeds)} seeds")
+        for name, outs in results.items():
+            def mean(key):
+                return sum(o[key] for o in outs) / len(outs)
+            print(f"{name:>16}      {'':>5} {mean('hit_rate'):>9.1%} {mean('ttft_p50') * 1e3:>8.0f}m "
+                  f"{mean('ttft_p99') * 1e3:>8.0f}m {mean('tokens_per_gpu_s'):>10.1f}")
     return 0
 
 

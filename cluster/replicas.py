@@ -26,6 +26,8 @@ from .router import PromptHashes, Replica, Router
 log = logging.getLogger("swakv.replicas")
 
 POLL_WAIT_S = 1.0          # a kv_events call waits this long for a batch (so load is at most this stale)
+POLL_GAP_S = 0.05          # and the next one goes this long after a reply: a replica stepping faster sends
+                           # several steps' batches in one reply, so following costs at most 20 calls a second
 CALL_TIMEOUT_S = 30.0
 
 
@@ -93,6 +95,7 @@ class ReplicaSet:
                     self.poll_wait_s + CALL_TIMEOUT_S)
                 self._apply(replica, reply)
                 delay = 0.2
+                await asyncio.sleep(POLL_GAP_S)
             except asyncio.CancelledError:
                 raise
             except (ValueError, RayActorError, asyncio.TimeoutError) as exc:   # gone, restarting, or stuck
