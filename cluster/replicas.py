@@ -47,7 +47,7 @@ class ReplicaSet:
         self.downs: Counter = Counter()         # replica name -> times it was found down
         self.expected_hit_tokens = 0            # prompt tokens the router expected the chosen replicas to hit
         self.shortfall_tokens = 0               # ... that they did not find (evicted before admission)
-        self._expected: dict[str, int] = {}     # replica name -> the last choice's expected hit
+        self.last_expected_hit = 0              # what the last call of ``candidates`` expected of its first
 
     # -- handles ---------------------------------------------------------------------------------
     def handle(self, replica: Replica):
@@ -127,13 +127,8 @@ class ReplicaSet:
         if replica.ready and not was_ready:
             self.router.replica_up(replica)
 
-    def close(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-
-    def check_hit(self, replica: Replica, cached: int) -> None:
+    def check_hit(self, expected: int, cached: int) -> None:
         """The engine's first item says how much it found cached: count what the router expected more."""
-        expected = self._expected.pop(replica.name, 0)
         self.shortfall_tokens += max(0, expected - cached)
 
     # -- routing ---------------------------------------------------------------------------------
@@ -142,6 +137,7 @@ class ReplicaSet:
         router's choice among the ready ones, then the others not yet tried (maybe back already)."""
         ready = [r for r in self.replicas if r.ready and r.name not in tried]
         first: list[Replica] = []
+        self.last_expected_hit = 0
         if affinity is not None and affinity in ready:
             first = [affinity]
             self.routed[(affinity.name, "sibling")] += 1
@@ -153,6 +149,6 @@ class ReplicaSet:
             first = [choice.replica]
             self.routed[(choice.replica.name, choice.reason)] += 1
             self.expected_hit_tokens += choice.hit_tokens
-            self._expected[choice.replica.name] = choice.hit_tokens
+            self.last_expected_hit = choice.hit_tokens
         rest = [r for r in self.replicas if r.name not in tried and r not in first and not r.ready]
         return first + rest

@@ -479,7 +479,7 @@ class OpenAIServer:
             candidates = self.replicas.candidates(prompt, affinity, tried)
             if not candidates:
                 raise last
-            replica = candidates[0]
+            replica, expected = candidates[0], self.replicas.last_expected_hit
             if tried:
                 self.replicas.retries += 1
             tried.add(replica.name)
@@ -516,7 +516,7 @@ class OpenAIServer:
                 replica.in_flight -= 1
                 last = _from_item(item)
                 continue
-            self.replicas.check_hit(replica, item.get("num_cached_tokens", 0))
+            self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
             return replica, engine, stream, item
 
     async def _items(self, label: str, prompt: PromptHashes, params: dict, choice: _Choice | None = None):
