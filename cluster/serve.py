@@ -429,6 +429,8 @@ def prometheus_text(per_replica: dict[int, dict | None], replicas: ReplicaSet | 
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
+    _eos_token_ids: tuple[int, ...] = ()   # the model's own EOS ids besides the tokenizer's; learned from the engine
+
     def __init__(self, engine_names: str | list[str], namespace: str, model_name: str, tokenizer_dir: str | None,
                  max_model_len: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, router: str = "prefix",
                  router_seed: int = 0):
@@ -444,7 +446,6 @@ class OpenAIServer:
         self.replicas = ReplicaSet(self.engine_names, namespace, make_router(router, router_seed))
         self._info: dict | None = None
         self._vocab_size = self.tokenizer.vocab_size
-        self._eos_token_ids: tuple[int, ...] = ()
 
     # -- engine replicas --------------------------------------------------------------------------
     async def _connect(self) -> None:
