@@ -34,6 +34,7 @@ bench: install
 	$(PY) bench/fanout.py
 	$(PY) bench/sampling.py
 	$(PY) bench/retention.py --quiet
+	$(PY) bench/router.py
 
 cluster-up:
 	ray up -y $(CONFIG)

@@ -1,8 +1,9 @@
 """The application builder named by ``ray_configs/serve.yaml`` (``serve run`` / ``serve deploy``).
 
-``args`` are ``build_engine``'s keywords, plus the serving option ``max_body_bytes``. The engine actor is
-found by name, or started detached so it outlives the builder: Serve may call the builder again on
-redeploys.
+``args`` are ``build_engine``'s keywords, plus the serving options ``max_body_bytes``,
+``data_parallel_size`` (engine replicas, each with its own workers; default 1) and ``router``
+(round-robin, least-loaded, prefix, ray-prefix-tree; default prefix). The engine actors are found by
+name, or started detached so they outlive the builder: Serve may call the builder again on redeploys.
 """
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ import os
 def build(args: dict):
     import ray
 
-    from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE
-    from .launch import start_engine_actor
+    from .engine_actor import NAMESPACE
+    from .launch import engine_names, start_engine_actors
+    from .router import make_router
     from .serve import DEFAULT_MAX_BODY_BYTES, build_app
 
     args = dict(args)
     max_body_bytes = args.pop("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    dp = args.pop("data_parallel_size", 1)
+    router = args.pop("router", "prefix")
+    make_router(router)   # a bad name fails before any engine starts
+    names = engine_names(dp) if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1 else None
+    if names is None:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {dp!r}")
     try:
-        handle = ray.get_actor(ENGINE_ACTOR_NAME, namespace=NAMESPACE)
-        info = ray.get(handle.ready.remote(), timeout=600)
+        handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+        info = ray.get(handles[0].ready.remote(), timeout=600)
     except ValueError:   # not running yet
-        handle, info = start_engine_actor(dict(args), detached=True)
+        info = start_engine_actors(dict(args), dp, detached=True)[0][1]
     path = info.get("model_path")
-    return build_app(ENGINE_ACTOR_NAME, NAMESPACE, info["model"], path if path and os.path.isdir(path) else None,
-                     info["max_model_len"], max_body_bytes)
+    return build_app(names, NAMESPACE, info["model"], path if path and os.path.isdir(path) else None,
+                     info["max_model_len"], max_body_bytes, router=router)

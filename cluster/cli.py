@@ -20,11 +20,13 @@ def _serve(args: argparse.Namespace) -> int:
                  enable_prefix_caching=not args.no_prefix_caching, num_gpus_per_worker=args.num_gpus_per_worker,
                  spread_stages=args.spread_stages, simulated_gpu=args.simulated_gpu, device=args.device)
     return serve_forever(build, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus,
-                         dashboard=args.dashboard, max_body_bytes=args.max_body_bytes)
+                         dashboard=args.dashboard, max_body_bytes=args.max_body_bytes,
+                         data_parallel_size=args.data_parallel_size, router=args.router)
 
 
 def _add_serve(sub) -> None:
     from .planner import _positive_int, _size_arg
+    from .router import ROUTERS
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) on a local or existing Ray cluster")
     p.add_argument("--model", default="default",
                    help="local model directory, a tiny test model name, or 'default' (the bundled tiny hybrid model)")
@@ -40,6 +42,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--device", default=None, help="torch device for the workers (default: the model's)")
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     p.add_argument("--spread-stages", action="store_true", help="place pipeline stages on different nodes")
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="engine replicas, each with its own workers and placement group, spread over nodes "
+                        "when the cluster has several (default 1)")
+    p.add_argument("--router", choices=ROUTERS, default="prefix",
+                   help="how a request picks a replica: prefix (window-aware prefix hits and load, the default), "
+                        "round-robin, least-loaded, or ray-prefix-tree (Ray Serve LLM's text-prefix policy)")
     p.add_argument("--simulated-gpu", default=None,
                    help="serve a preset with simulated workers timed as on this GPU (e.g. H100-80GB)")
     p.add_argument("--host", default="127.0.0.1")

@@ -62,9 +62,10 @@ class Engine:
         self.metrics = EngineMetrics()
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
-                    extra_keys: tuple = ()) -> None:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
-        req = Request(request_id, prompt_token_ids, extra_keys=extra_keys)
+                    extra_keys: tuple = (), block_hashes: dict[int, list[bytes]] | None = None) -> None:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input. ``block_hashes``:
+        the prompt's leading block hashes, when a router computed them already (``kvmanager.Request``)."""
+        req = Request(request_id, prompt_token_ids, extra_keys=extra_keys, block_hashes=block_hashes)
         vocab = self.config.vocab_size
         if vocab is not None and max(req.prompt_token_ids) >= vocab:
             raise ValueError(f"request {request_id!r}: token id {max(req.prompt_token_ids)} is outside the "

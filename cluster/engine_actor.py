@@ -14,6 +14,10 @@ Nothing one request does stops the loop (see ``engine.py``). Its states, for rea
 ``starting``; ``ready``; ``restarting`` (workers being replaced; requests wait); ``no_workers`` (a restart failed:
 requests are refused and it retries with back-off); ``stopping`` (shutdown: requests are refused and
 streams told so). An error in the engine's own bookkeeping fails every request and starts it afresh.
+
+KV-cache events (``kv_events.py``): the manager's pool tells an ``EventPublisher`` what it caches and
+evicts; after every step the pending events become a numbered batch, and ``kv_events`` hands routers the
+batches they have not seen (long-polling), or a snapshot when they missed some, with the replica's load.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import logging
 import os
 
 from .engine import Engine
+from .kv_events import EventPublisher
+from .router import split_hashes
 from .scheduler import SamplingParams, SequenceUpdate
 
 log = logging.getLogger("swakv.engine")
@@ -48,8 +54,10 @@ class EngineUnavailable(RuntimeError):
 class EngineService:
     """Wrap this with ``ray.remote`` (see ``start_engine_actor``); ``build`` returns (Engine, model info)."""
 
-    def __init__(self, build, *build_args, **build_kwargs):
+    def __init__(self, build, *build_args, rank: int = 0, **build_kwargs):
+        """``rank``: this replica's number among the deployment's data-parallel replicas."""
         os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"   # see the module's docstring
+        self.rank = rank
         self._build = functools.partial(build, *build_args, **build_kwargs)
         self._building: asyncio.Future | None = None
         self.engine: Engine | None = None
@@ -59,6 +67,8 @@ class EngineService:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.status, self.detail = "starting", "loading the model and starting the workers"
+        self.events: EventPublisher | None = None       # once the engine is built
+        self._published = asyncio.Event()               # set (and replaced) at each new batch
 
     def _kick(self) -> None:
         if self._building is None:
@@ -75,6 +85,9 @@ class EngineService:
                 raise
             if self.engine is None:
                 self.engine, self.info = engine, info
+                self.events = EventPublisher(engine.manager.specs, self.rank)
+                self.events.attach(engine.manager)
+                self.info["replica"] = self.rank
                 if self.status == "starting":
                     self.status, self.detail = "ready", ""
         return self.engine
@@ -90,19 +103,22 @@ class EngineService:
         self._kick()
         return {"status": self.status, "detail": self.detail}
 
-    async def generate(self, label: str, prompt_token_ids: list[int], params: dict | None = None):
+    async def generate(self, label: str, prompt_token_ids: list[int], params: dict | None = None,
+                       block_hashes: dict[int, bytes] | None = None):
         """Yields ``{"request_id", "token_ids", "finished", "finish_reason", "logprobs", "num_cached_tokens",
         "error", "error_type"}`` (``logprobs``: per token, raw logprob, top ids, top logprobs);
         ``request_id`` is the engine's own (``label#n``), what ``abort`` takes. A request that fails
         ends with finish_reason "error", ``error`` saying why and ``error_type`` one of request_failed,
-        engine_unavailable, server_shutting_down."""
+        engine_unavailable, server_shutting_down. ``block_hashes``: the prompt's leading block hashes per
+        block size, concatenated, as a router computed them (``router.PromptHashes.for_engine``)."""
         await self._started()
         if self.status in ("no_workers", "stopping"):
             raise EngineUnavailable(self.status, SHUTTING_DOWN if self.status == "stopping"
                                     else f"the engine has no workers ({self.detail}); it keeps trying to start them")
         sampling = SamplingParams(**(params or {}))
         request_id = f"{label}#{next(self._ids)}"
-        self.engine.add_request(request_id, prompt_token_ids, sampling)  # ValueError: nothing queued
+        self.engine.add_request(request_id, prompt_token_ids, sampling,   # ValueError: nothing queued
+                                block_hashes=split_hashes(block_hashes))
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         self._ensure_loop()
@@ -128,7 +144,46 @@ class EngineService:
 
     async def stats(self) -> dict:
         await self._started()
-        return {**self.engine.stats(), "model": self.info.get("model"), "status": self.status}
+        return {**self.engine.stats(), "model": self.info.get("model"), "status": self.status,
+                "replica": self.rank, "kv_events_epoch": self.events.epoch, "kv_events_seq": self.events.seq,
+                "prefix_cached_blocks": self.events.num_cached()}
+
+    def _load(self) -> dict:
+        """What a router weighs: queue lengths, KV usage, and prompt tokens not yet computed (prefill
+        backlog: what a new request's first token waits behind, as chunked prefill shares each step)."""
+        s = self.engine.scheduler
+        backlog = sum(len(q.req.prompt_token_ids) - q.req.num_computed_tokens for q in s.sequences.values()
+                      if q.req.num_computed_tokens < len(q.req.prompt_token_ids))
+        return {"status": self.status, "running": len(s.running), "waiting": len(s.waiting),
+                "kv_usage": self.engine.manager.usage, "prefill_backlog": backlog}
+
+    async def kv_events(self, epoch: str | None = None, after: int = 0, wait_s: float = 0.0) -> dict:
+        """KV-cache events a consumer has not applied: ``{"epoch", "load", "batches": [(seq, msgpack
+        batch), ...]}`` after batch ``after`` of ``epoch``, waiting up to ``wait_s`` for one if there is
+        none yet; or ``{"epoch", "load", "snapshot": (seq, batch)}`` when the consumer missed some (its
+        number is no longer kept, or it knew another epoch: this engine restarted). ``load``: status,
+        running, waiting, kv_usage (``kv_events.py`` has the schema)."""
+        await self._started()
+        self._flush()
+        batches = self.events.since(after) if epoch == self.events.epoch else None
+        if batches == [] and wait_s > 0:
+            try:
+                await asyncio.wait_for(self._published.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            batches = self.events.since(after)
+        reply = {"epoch": self.events.epoch, "load": self._load()}
+        if batches is None:
+            reply["snapshot"] = self.events.snapshot()
+        else:
+            reply["batches"] = batches
+        return reply
+
+    def _flush(self) -> None:
+        """Pending KV events become a batch; wake the consumers waiting for one."""
+        if self.events is not None and self.events.flush():
+            self._published.set()
+            self._published = asyncio.Event()
 
     async def shutdown(self) -> int:
         """Refuse new requests, end every stream with a "server is shutting down" error and stop the
@@ -170,9 +225,11 @@ class EngineService:
                     await asyncio.sleep(0.001)
                     continue
                 await self._execute(engine, plan)
+                self._flush()
             except Exception as exc:  # noqa: BLE001 - a bug in the engine's bookkeeping: start afresh
                 log.exception("engine step failed outside the workers; failing every request and resetting")
                 await self._reset(exc)
+                self._flush()
 
     async def _execute(self, engine: Engine, plan) -> None:
         while True:
@@ -223,4 +280,5 @@ class EngineService:
         self.engine = Engine(engine.executor, engine.manager.specs, engine.manager.num_blocks, engine.config,
                              group_widths=engine.manager.widths)
         self.engine.metrics = engine.metrics
+        self.events.attach(self.engine.manager)   # the new manager's cache is empty: AllBlocksCleared
         await self._restart_workers(self.engine)

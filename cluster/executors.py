@@ -107,6 +107,9 @@ def _remove_stale_groups(owner: str, token: str) -> None:
 class RayExecutor:
     """One worker actor per device, in one placement group named for what it holds (a bundle per stage).
 
+    ``replica_set``: the name prefix the engines of one data-parallel deployment share; the group is then
+    placed on nodes none of them uses, when the cluster has such nodes (``_place_apart``).
+
     ``stage_kwargs`` holds one entry per worker, stage-major: ``ranks_per_stage`` tensor-parallel ranks
     (with ``tensor_parallel_size`` / ``tensor_parallel_rank`` set) per pipeline stage. Ranks are packed; stages too unless
     ``spread_stages`` asks for different nodes. Each step's encoded deltas go to every actor; every rank
@@ -116,7 +119,8 @@ class RayExecutor:
     def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
                  spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
                  placement_timeout_s: float = 120.0,
-                 compiled: bool = True, ranks_per_stage: int = 1):
+                 compiled: bool = True, ranks_per_stage: int = 1, replica_set: str | None = None,
+                 spread_wait_s: float = 5.0):
         if len(stage_kwargs) % ranks_per_stage:
             raise ValueError(f"{len(stage_kwargs)} workers do not split into stages of {ranks_per_stage} ranks")
         self.stage_kwargs = stage_kwargs
@@ -129,6 +133,8 @@ class RayExecutor:
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
         self.placement_timeout_s = placement_timeout_s
+        self.replica_set = replica_set      # engine-name prefix of data-parallel siblings to keep away from
+        self.spread_wait_s = spread_wait_s
         self.last_payload_bytes = 0
         self.actors: list = []
         self._stages: list[list] = []
@@ -156,7 +162,9 @@ class RayExecutor:
         name = f"swakv-{pp}-stages-of-{tp}-ranks-{owner}{token}"
         if self._generation == 1 and owner:
             _remove_stale_groups(owner, token)
-        self.placement_group = placement_group([dict(bundle) for _ in range(pp)], strategy=strategy, name=name)
+        self.placement_group = self._place_apart([dict(bundle) for _ in range(pp)], strategy, name)
+        if self.placement_group is None:
+            self.placement_group = placement_group([dict(bundle) for _ in range(pp)], strategy=strategy, name=name)
         try:
             ray.get(self.placement_group.ready(), timeout=self.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -192,6 +200,33 @@ class RayExecutor:
         nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=self.start_timeout_s)
         if self.compiled and all(node == here for node in nodes):
             self._dag = self._compile()
+
+    def _place_apart(self, bundles: list[dict], strategy: str, name: str):
+        """The placement group on nodes holding no data-parallel sibling's workers, when there are such
+        nodes big enough for a bundle and it is placed within ``spread_wait_s``; else None (place anywhere).
+        Ray spreads the bundles of one group, not groups: siblings' nodes are read from their groups' names."""
+        import ray
+        from ray.util.placement_group import placement_group
+        if not self.replica_set:
+            return None
+        fragment = f"-ranks-{ray.get_runtime_context().namespace}.{self.replica_set}-"
+        taken = {node for info in ray.util.placement_group_table().values()
+                 if fragment in (info.get("name") or "") and info.get("name") != name and info.get("state") == "CREATED"
+                 for node in (info.get("bundles_to_node_id") or {}).values()}
+        if not taken:
+            return None
+        room = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in taken
+                and all(n.get("Resources", {}).get(k, 0) >= v for k, v in bundles[0].items())]
+        if not room:
+            return None
+        selector = {"ray.io/node-id": f"!in({','.join(sorted(taken))})"}
+        pg = placement_group(bundles, strategy=strategy, name=name, bundle_label_selector=[selector] * len(bundles))
+        try:
+            ray.get(pg.ready(), timeout=self.spread_wait_s)
+            return pg
+        except ray.exceptions.GetTimeoutError:   # those nodes are busy: anywhere will do
+            ray.util.remove_placement_group(pg)
+            return None
 
     @staticmethod
     def _name(kwargs: dict, token: str) -> str:

@@ -1,4 +1,4 @@
-"""Bring the service up: a Ray runtime, the named engine actor (which places its workers), the Serve app.
+"""Bring the service up: a Ray runtime, the named engine actors (each places its workers), the Serve app.
 
 ``swakv serve`` runs ``serve_forever``; the load test and the tests call the pieces. Ctrl-C or SIGTERM
 first tells every in-flight request that the server is shutting down (``stop_serving``), then shuts down
@@ -34,21 +34,61 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     return ray
 
 
-def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max_restarts: int = 1,
-                       timeout_s: float = 900.0, detached: bool = False, resources: dict | None = None):
-    """The engine actor (async; no CPU of its own), started with its workers; returns (handle, info).
+def engine_names(data_parallel_size: int, base: str = ENGINE_ACTOR_NAME) -> list[str]:
+    """The engine actors of a deployment: replica ``i`` is ``{base}-{i}``."""
+    return [f"{base}-{i}" for i in range(data_parallel_size)]
 
-    ``max_restarts=1``: if the engine process dies, Ray starts it again with new workers; the Serve app
-    re-finds it by name, and in-flight requests fail with a retryable error. ``resources`` pins it
-    (e.g. to the head node through a custom resource).
+
+def start_engine_actors(build_kwargs: dict, data_parallel_size: int = 1, *, base: str = ENGINE_ACTOR_NAME,
+                        max_restarts: int = 1, timeout_s: float = 900.0, detached: bool = False,
+                        resources: dict | None = None) -> list[tuple]:
+    """``data_parallel_size`` engine actors (async; no CPU of their own), each with its own workers in its
+    own placement group, started side by side; returns [(handle, info)] in rank order. With several, each
+    places its workers on nodes the others do not use, when the cluster has such nodes.
+
+    ``max_restarts=1``: if an engine process dies, Ray starts it again with new workers; the Serve app
+    finds it again, and in-flight requests that had streamed nothing are retried on another replica.
+    ``resources`` pins them (e.g. to the head node through a custom resource). If any fails to start,
+    all are stopped.
     """
+    import ray
+    from .llm import build_engine
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+    kwargs = dict(build_kwargs)
+    if data_parallel_size > 1:
+        kwargs["replica_set"] = base
+    actor_cls = ray.remote(EngineService)
+    handles = [actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
+                                 max_task_retries=0, max_concurrency=1000,
+                                 lifetime="detached" if detached else None, resources=resources or {},
+                                 ).remote(build_engine, rank=rank, use_ray=True, **kwargs)
+               for rank, name in enumerate(engine_names(data_parallel_size, base))]
+    try:
+        infos = ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        for h in handles:
+            stop_engine_actor(h, timeout_s=10)
+        raise RuntimeError(f"an engine actor failed to start: {exc}") from None
+    except BaseException:
+        for h in handles:
+            ray.kill(h, no_restart=True)
+        raise
+    return list(zip(handles, infos))
+
+
+def start_engine_actor(build_kwargs: dict, *, name: str = ENGINE_ACTOR_NAME, max_restarts: int = 1,
+                       timeout_s: float = 900.0, detached: bool = False, resources: dict | None = None,
+                       rank: int = 0):
+    """One engine actor named ``name`` (replica ``rank`` of a deployment, or a test's engine), started
+    with its workers; returns (handle, info)."""
     import ray
     from .llm import build_engine
     actor_cls = ray.remote(EngineService)
     handle = actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
                                max_task_retries=0, max_concurrency=1000,
                                lifetime="detached" if detached else None, resources=resources or {},
-                               ).remote(build_engine, use_ray=True, **build_kwargs)
+                               ).remote(build_engine, rank=rank, use_ray=True, **build_kwargs)
     try:
         info = ray.get(handle.ready.remote(), timeout=timeout_s)
     except ray.exceptions.RayActorError as exc:
@@ -70,46 +110,56 @@ def stop_engine_actor(handle, timeout_s: float = 30.0) -> None:
     ray.kill(handle, no_restart=True)
 
 
-def deploy(info: dict, *, host: str = "127.0.0.1", port: int = 8000, name: str = ENGINE_ACTOR_NAME,
-           max_body_bytes: int | None = None):
+def deploy(info: dict, *, host: str = "127.0.0.1", port: int = 8000, names: list[str] | None = None,
+           max_body_bytes: int | None = None, router: str = "prefix"):
+    """The OpenAI app in front of the engines ``names`` (found by name), routing with ``router``."""
     from .serve import DEFAULT_MAX_BODY_BYTES, build_app, run
     path = info.get("model_path")
     tokenizer_dir = path if path and os.path.isdir(path) else None
-    app = build_app(name, NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"],
-                    max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+    app = build_app(names or engine_names(1), NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"],
+                    max_body_bytes or DEFAULT_MAX_BODY_BYTES, router=router)
     return run(app, host=host, port=port)
 
 
-def stop_serving(engine_handle, timeout_s: float = 30.0) -> int:
-    """Before tearing down: the engine refuses new requests and ends every stream with a "server is
+def stop_serving(engine_handles, timeout_s: float = 30.0) -> int:
+    """Before tearing down: every engine refuses new requests and ends every stream with a "server is
     shutting down" error; then Serve shuts down gracefully, which waits for the replicas to deliver those
     last events. Returns how many requests were in flight. Bounded: nothing here can hang."""
     import ray
-    try:
-        in_flight = ray.get(engine_handle.shutdown.remote(), timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - the engine is gone already: nothing to tell
-        print(f"swakv: the engine did not take the shutdown ({type(exc).__name__})", file=sys.stderr)
-        in_flight = 0
+    handles = engine_handles if isinstance(engine_handles, (list, tuple)) else [engine_handles]
+    refs = [h.shutdown.remote() for h in handles]
+    in_flight = 0
+    for h, ref in zip(handles, refs):
+        try:
+            in_flight += ray.get(ref, timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the engine is gone already: nothing to tell
+            print(f"swakv: an engine did not take the shutdown ({type(exc).__name__})", file=sys.stderr)
     _stop_serve(timeout_s)
     return in_flight
 
 
 def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
-                  num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None) -> int:
+                  num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None,
+                  data_parallel_size: int = 1, router: str = "prefix") -> int:
     ray = init_ray(address, num_cpus, dashboard)
     started_here = not address
-    engine_handle = None
+    handles = []
 
     def _stop(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)
     try:
-        print(f"swakv: starting engine and workers for {build_kwargs.get('model', 'default')} ...", flush=True)
-        engine_handle, info = start_engine_actor(build_kwargs)  # held: a named actor lives while handles do
-        deploy(info, host=host, port=port, max_body_bytes=max_body_bytes)
+        print(f"swakv: starting {data_parallel_size} engine replica(s) and their workers for "
+              f"{build_kwargs.get('model', 'default')} ...", flush=True)
+        started = start_engine_actors(build_kwargs, data_parallel_size)   # held: a named actor lives while handles do
+        handles = [h for h, _ in started]
+        info = started[0][1]
+        deploy(info, host=host, port=port, names=engine_names(data_parallel_size), max_body_bytes=max_body_bytes,
+               router=router)
         print(f"swakv: serving {info['model']} on http://{host}:{port}  "
-              f"({info['num_blocks']} KV units, {info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
+              f"({data_parallel_size} replica(s), router {router}; each {info['num_blocks']} KV units, "
+              f"{info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
               f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{info['model']}\", \"prompt\": \"The \", \"max_tokens\": 32}}'\n"
               + ("  dashboard: http://127.0.0.1:8265 (ray list actors, serve status)\n" if dashboard else "")
@@ -123,8 +173,8 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
         old_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the goodbyes short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            if engine_handle is not None:
-                n = stop_serving(engine_handle)
+            if handles:
+                n = stop_serving(handles)
                 print(f"swakv: told {n} in-flight request(s) that the server is shutting down", file=sys.stderr)
             else:
                 _stop_serve(timeout_s=30)

@@ -51,12 +51,15 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
                  enable_prefix_caching: bool = True, use_ray: bool = False, device: str | None = None,
                  seed: int = 0, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
                  spread_stages: bool = False,
-                 simulated_gpu: str | None = None, sleep_factor: float = 0.0, sliding_as_full: bool = False):
+                 simulated_gpu: str | None = None, sleep_factor: float = 0.0, sliding_as_full: bool = False,
+                 replica_set: str | None = None):
     """Check the layout, size the pool, start the workers; return (Engine, model info).
 
     ``simulated_gpu`` (e.g. "H100-80GB") runs simulated workers for a preset or config.json ``model``,
     timed by the cost model. ``sliding_as_full`` gives every layer a full-attention table, as engines
     without window-aware memory do (the comparison baseline); attention still reads only the window.
+    ``replica_set``: the engine-name prefix of a data-parallel deployment, whose replicas' workers are
+    kept on different nodes when the cluster has them (Ray executor only).
     Bad layouts (stages with different layer-kind mixes, sizes that do not
     divide heads or layers) are refused here, before any worker loads weights.
     """
@@ -95,6 +98,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
             start += len(names)
         per_stage = [dict(layers=b, stage=i, tensor_parallel_size=tp, tensor_parallel_rank=r)
                      for i, b in enumerate(bounds) for r in range(tp)]
+    from .kv_events import group_metadata
     layout = kv_layout(as_full_attention(specs) if sliding_as_full else specs, pp, tp)
     kv_memory_bytes = kv_cache_memory or default_memory
     if num_blocks is None:
@@ -110,7 +114,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         from .executors import RayExecutor
         executor = RayExecutor(stage_kwargs, num_gpus_per_worker=num_gpus_per_worker,
                                num_cpus_per_worker=num_cpus_per_worker, spread_stages=spread_stages,
-                               ranks_per_stage=1 if simulated_gpu else tp)
+                               ranks_per_stage=1 if simulated_gpu else tp, replica_set=replica_set)
     else:
         from .executors import LocalExecutor
         executor = LocalExecutor(stage_kwargs)
@@ -124,7 +128,8 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
             "block_size": block_size, "simulated_gpu": simulated_gpu,
             "vocab_size": vocab_size, "eos_token_ids": list(eos),
             "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
-            "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+            "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+            "kv_groups": group_metadata(layout.group_specs)}
     return engine, info
 
 

@@ -90,15 +90,32 @@ def _turns(rng: random.Random, turns: int, user_tokens: int, max_tokens: int, th
                  for t in range(turns))
 
 
+def _popular(rng: random.Random, n: int, skew: float) -> int:
+    """One of ``n`` shared prefixes: uniformly (``skew`` 0) or Zipf-like, prefix k drawn with weight
+    1 / (k + 1) ** skew, as a few apps' prompts or documents dominate real traffic."""
+    if not skew:
+        return rng.randrange(n)
+    return rng.choices(range(n), weights=[1 / (k + 1) ** skew for k in range(n)])[0]
+
+
 def multi_turn_chat(*, sessions: int = 24, turns: int = 4, rate: float = 2.0, system_tokens: int = 2048,
                     user_tokens: int = 256, max_tokens: int = 64, think_s: float = 0.5,
-                    seed: int = 0) -> list[Session]:
-    """Chats: a per-user system prompt, then turns whose prompt is the history plus new user text."""
+                    seed: int = 0, system_prompts: int | None = None, popularity: float = 0.0) -> list[Session]:
+    """Chats: a system prompt, then turns whose prompt is the history plus new user text. Each user has
+    their own system prompt, or, with ``system_prompts`` = k, draws one of k shared ones (k apps), with
+    ``popularity`` skew (``_popular``)."""
     rng = _start(seed, sessions, turns, rate, system_tokens, 0, user_tokens, max_tokens, think_s)
+    if system_prompts is not None:
+        check_number("system_prompts", system_prompts, 1)
+    check_number("popularity", popularity, 0, integer=False)
+    shared = [_text(rng, system_tokens) if system_tokens else () for _ in range(system_prompts or 0)]
     starts = _arrivals(rng, sessions, rate)
     out = []
     for i, start in enumerate(starts):
-        system = _text(rng, system_tokens) if system_tokens else ()
+        if shared:
+            system = shared[_popular(rng, len(shared), popularity)]
+        else:
+            system = _text(rng, system_tokens) if system_tokens else ()
         out.append(Session(f"chat{i}", start, _turns(rng, turns, user_tokens, max_tokens, think_s),
                            prefix=system, carry_history=True))
     return out
@@ -116,12 +133,14 @@ def agent_loops(*, sessions: int = 12, turns: int = 4, rate: float = 1.0, system
 
 def document_qa(*, sessions: int = 24, turns: int = 1, rate: float = 1.0, system_tokens: int = 6144,
                 user_tokens: int = 64, max_tokens: int = 16, think_s: float = 0.0, seed: int = 0,
-                documents: int = 4) -> list[Session]:
+                documents: int = 4, popularity: float = 0.0) -> list[Session]:
     """Long-document QA: each request is one of ``documents`` long documents plus a short question.
 
     ``system_tokens`` is the document length; ``turns`` questions per session, each on its own (no
-    history): long prompts, short answers, documents shared across sessions.
+    history): long prompts, short answers, documents shared across sessions, drawn with ``popularity``
+    skew (``_popular``).
     """
+    check_number("popularity", popularity, 0, integer=False)
     for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 1),
                          ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1), ("documents", documents, 1)):
         check_number(name, v, low)
@@ -133,7 +152,7 @@ def document_qa(*, sessions: int = 24, turns: int = 1, rate: float = 1.0, system
     starts = _arrivals(rng, sessions, rate)
     return [Session(f"qa{i}", start, tuple(
         Turn(_text(rng, user_tokens), max_tokens, rng.expovariate(1 / think_s) if think_s and t else 0.0)
-        for t in range(turns)), prefix=docs[rng.randrange(documents)], carry_history=False)
+        for t in range(turns)), prefix=docs[_popular(rng, documents, popularity)], carry_history=False)
         for i, start in enumerate(starts)]
 
 
@@ -216,6 +235,7 @@ class RequestRecord:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server found in its prefix cache (usage)
 
     @property
     def ttft_s(self) -> float | None:
@@ -264,6 +284,9 @@ async def stream_completion(client, url: str, body: dict, record: RequestRecord,
                     record.error = f"stream error: {event['error'].get('message')}"
                     return
                 record.response_id = record.response_id or event.get("id")
+                usage = event.get("usage")
+                if usage:
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices", ()):
                     ids = choice.get("token_ids") or []
                     if ids and record.first_token_s is None:
@@ -425,7 +448,7 @@ async def run_load(sessions: list[Session], base_url: str, *, duration_s: float 
 
 
 _SAMPLED = ("running", "waiting", "kv_usage", "preemptions", "prefix_hit_rate", "worker_restarts",
-            "recomputed_requests", "steps", "simulated_time_s")
+            "recomputed_requests", "steps", "simulated_time_s", "replicas")
 
 
 def _sample(stats: dict) -> dict:
@@ -463,6 +486,11 @@ def summarize(result: RunResult) -> dict:
         "requests_per_s": len(done) / wall if wall else 0.0,
         "output_tokens_per_s": out_tokens / wall if wall else 0.0,
     }
+    # a completed request with more tokens than it asked for was answered twice (or more)
+    summary["answered_twice"] = sum(len(r.output_token_ids) > r.max_tokens for r in done)
+    known = [r for r in done if r.cached_tokens is not None and r.prompt_tokens > 0]
+    summary["client_prefix_hit_rate"] = (sum(r.cached_tokens for r in known) / sum(r.prompt_tokens for r in known)
+                                         if known else None)
     for name, values in (("ttft_s", [r.ttft_s for r in done]), ("tpot_s", [r.tpot_s for r in done]),
                          ("e2e_s", [r.e2e_s for r in done])):
         values = [v for v in values if v is not None]

@@ -40,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from workers.protocol import MAX_LOGPROBS
 
 from .engine_actor import EngineUnavailable
+from .replicas import ReplicaSet
+from .router import PromptHashes, make_router
 from .tokenizer import StreamDecoder, load_tokenizer
 
 ENGINE_CALL_TIMEOUT_S = 30.0
@@ -148,6 +150,9 @@ class APIError(Exception):
 def _engine_restarted() -> APIError:
     return APIError(503, RETRY_MESSAGE, "engine_restarted", code="engine_restarted")
 
+
+# Refusals a replica makes before streaming anything, which another replica may not make.
+_RETRY_ELSEWHERE = ("engine_restarted", "engine_unavailable", "server_shutting_down")
 
 _ENGINE_ERRORS = {   # an engine item's error_type -> (status, type)
     "request_failed": (500, "server_error"),
@@ -319,6 +324,8 @@ class _Choice:
                  echo: str = ""):
         self.index, self.prompt, self.engine_id, self.params = index, prompt, engine_id, params
         self.decoder, self.echo = decoder, echo
+        self.first: _Choice | None = None       # its prompt's first choice, whose replica its siblings join
+        self.replica = None                     # the engine replica serving it, once routed
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, int, tuple]] = []   # (token, text offset, engine entry)
         self.finish_reason: str | None = None
@@ -367,21 +374,55 @@ _METRICS = (
 )
 
 
-def prometheus_text(stats: dict) -> str:
-    """The engine's stats in the Prometheus text exposition format (version 0.0.4)."""
+def prometheus_text(per_replica: dict[int, dict | None], replicas: ReplicaSet | None = None) -> str:
+    """The engines' stats in the Prometheus text exposition format (version 0.0.4), every series labelled
+    with its replica (``per_replica``: rank -> stats, None when it did not answer), then the router's."""
     lines = []
 
     def family(name, kind, help_, samples):
         lines.extend((f"# HELP {name} {help_}", f"# TYPE {name} {kind}"))
         lines.extend(f"{name}{labels} {float(value)!r}" for labels, value in samples)
 
+    up = sorted(per_replica.items())
+    family("swakv_replica_up", "gauge", "1 while the engine replica answers.",
+           [(f'{{replica="{r}"}}', st is not None) for r, st in up])
+    live = [(r, st) for r, st in up if st is not None]
     for name, key, kind, help_ in _METRICS:
-        if key in stats:
-            family(name, kind, help_, [("", stats[key])])
+        samples = [(f'{{replica="{r}"}}', st[key]) for r, st in live if key in st]
+        if samples:
+            family(name, kind, help_, samples)
     family("swakv_kv_cache_group_usage_ratio", "gauge", "Fraction of KV blocks held by each KV-cache group.",
-           [(f'{{group="{g}"}}', u) for g, u in enumerate(stats.get("kv_usage_per_group", []))])
+           [(f'{{replica="{r}",group="{g}"}}', u) for r, st in live
+            for g, u in enumerate(st.get("kv_usage_per_group", []))])
     family("swakv_requests_finished_total", "counter", "Finished requests by reason.",
-           [(f'{{reason="{r}"}}', n) for r, n in sorted(stats.get("finished", {}).items())])
+           [(f'{{replica="{r}",reason="{reason}"}}', n) for r, st in live
+            for reason, n in sorted(st.get("finished", {}).items())])
+    if replicas is not None:
+        rank = {x.name: x.rank for x in replicas.replicas}
+        family("swakv_router_requests_total", "counter", f"Requests routed by this app ({replicas.router.name} "
+               "router), by replica and reason (best-hit, overloaded, least-loaded, round-robin, sibling, ...).",
+               [(f'{{replica="{rank[name]}",reason="{reason}"}}', n)
+                for (name, reason), n in sorted(replicas.routed.items())])
+        family("swakv_router_expected_hit_tokens_total", "counter",
+               "Prompt tokens the prefix router expected the replicas it chose to find cached.",
+               [("", replicas.expected_hit_tokens)])
+        family("swakv_router_hit_shortfall_tokens_total", "counter",
+               "Prompt tokens the router expected a replica to find cached that it did not (evicted meanwhile).",
+               [("", replicas.shortfall_tokens)])
+        family("swakv_router_retries_total", "counter",
+               "Requests moved to another replica before their first token (the first was gone or refused).",
+               [("", replicas.retries)])
+        family("swakv_router_replica_down_total", "counter", "Times a replica was found gone or not answering.",
+               [(f'{{replica="{x.rank}"}}', replicas.downs[x.name]) for x in replicas.replicas])
+        family("swakv_router_index_hashes", "gauge",
+               "Block hashes the router knows a replica caches, per KV-cache group (from its KV events).",
+               [(f'{{replica="{x.rank}",group="{g}"}}', len(h)) for x in replicas.replicas
+                for g, h in enumerate(x.index.groups)])
+        family("swakv_router_kv_event_batches_total", "counter", "KV-event batches applied, per replica.",
+               [(f'{{replica="{x.rank}"}}', x.index.batches) for x in replicas.replicas])
+        family("swakv_router_kv_snapshots_total", "counter",
+               "KV-cache snapshots loaded, per replica (at start, after a gap, after a restart).",
+               [(f'{{replica="{x.rank}"}}', x.index.snapshots) for x in replicas.replicas])
     return "\n".join(lines) + "\n"
 
 
@@ -390,59 +431,102 @@ def prometheus_text(stats: dict) -> str:
 class OpenAIServer:
     _eos_token_ids: tuple[int, ...] = ()   # the model's own EOS ids besides the tokenizer's; learned from the engine
 
-    def __init__(self, engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None,
-                 max_model_len: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-        self.engine_name, self.namespace = engine_name, namespace
+    def __init__(self, engine_names: str | list[str], namespace: str, model_name: str, tokenizer_dir: str | None,
+                 max_model_len: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, router: str = "prefix",
+                 router_seed: int = 0):
+        """``engine_names``: the engine replicas' actor names (one name: one replica); ``router``: how a
+        request picks one (``cluster/router.py``)."""
+        self.engine_names = [engine_names] if isinstance(engine_names, str) else list(engine_names)
+        self.namespace = namespace
         self.model_name, self.max_model_len = model_name, max_model_len
         self.max_body_bytes = max_body_bytes
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.created = int(time.time())
-        self._engine = None
+        self.router_name = router
+        self.replicas = ReplicaSet(self.engine_names, namespace, make_router(router, router_seed))
+        self._info: dict | None = None
         self._vocab_size = self.tokenizer.vocab_size
 
-    # -- engine connection ------------------------------------------------------------------------
-    async def _connect(self):
-        if self._engine is None:
+    # -- engine replicas --------------------------------------------------------------------------
+    async def _connect(self) -> None:
+        """Follow the replicas (once) and learn the model's vocabulary and EOS ids from one of them."""
+        self.replicas.follow()
+        if self._info is not None:
+            return
+        last = None
+        for replica in self.replicas.replicas:
             try:
-                engine = ray.get_actor(self.engine_name, namespace=self.namespace)
-                info = await asyncio.wait_for(engine.ready.remote(), ENGINE_CALL_TIMEOUT_S)
+                info = await self.replicas.info(replica)
+                break
             except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
-                raise APIError(503, f"engine {self.engine_name!r} is not available ({type(exc).__name__}); "
-                               "the request can be retried", "engine_restarted", code="engine_restarted") from None
-            self._vocab_size = (info or {}).get("vocab_size", self._vocab_size)
-            self._eos_token_ids = tuple((info or {}).get("eos_token_ids", ()))
-            self._engine = engine
-        return self._engine
+                last = exc
+                self.replicas.down(replica)
+        else:
+            names = ", ".join(repr(n) for n in self.engine_names)
+            raise APIError(503, f"engine {names} is not available ({type(last).__name__}); "
+                           "the request can be retried", "engine_restarted", code="engine_restarted") from None
+        self._vocab_size = (info or {}).get("vocab_size", self._vocab_size)
+        self._eos_token_ids = tuple((info or {}).get("eos_token_ids", ()))
+        self._info = info
 
-    async def _call(self, method: str):
-        engine = await self._connect()
-        try:
-            return await asyncio.wait_for(getattr(engine, method).remote(), ENGINE_CALL_TIMEOUT_S)
-        except (RayActorError, asyncio.TimeoutError):
-            self._engine = None
-            raise _engine_restarted() from None
-
-    async def _start(self, label: str, prompt_ids: list[int], params: dict):
-        """Submit and await the first item, so a refused request is an HTTP error, not a broken stream."""
-        for attempt in (0, 1):  # a handle cached from a dead engine gets one fresh look-up
-            engine = await self._connect()
-            stream = engine.generate.options(num_returns="streaming").remote(label, prompt_ids, params)
+    async def _start(self, label: str, prompt: PromptHashes, params: dict, affinity=None):
+        """Route, submit, and await the first item, so a refused request is an HTTP error, not a broken
+        stream. A replica that is gone, or refuses (no workers, shutting down), or fails the request for
+        its own reasons before a first token: the request goes to another replica, each tried once
+        (nothing was streamed, so nothing is answered twice); the last error if none takes it."""
+        tried: set[str] = set()
+        last: APIError = _engine_restarted()
+        while True:
+            candidates = self.replicas.candidates(prompt, affinity, tried)
+            if not candidates:
+                raise last
+            replica, expected = candidates[0], self.replicas.last_expected_hit
+            if tried:
+                self.replicas.retries += 1
+            tried.add(replica.name)
             try:
-                return engine, stream, await (await stream.__anext__())
+                engine = self.replicas.handle(replica)
+            except ValueError:   # no actor of that name (yet)
+                self.replicas.down(replica)
+                continue
+            stream = engine.generate.options(num_returns="streaming").remote(
+                label, prompt.token_ids, params, prompt.for_engine())
+            replica.in_flight += 1
+            replica.prefilling.append(prompt)   # its blocks get cached there as the prefill goes
+            try:
+                item = await (await stream.__anext__())
             except RayActorError:
-                self._engine = None
-                if attempt:
-                    raise _engine_restarted() from None
+                replica.in_flight -= 1
+                self.replicas.down(replica)
+                continue
             except asyncio.CancelledError:  # the client left before the first token
+                replica.in_flight -= 1
                 _stop(engine, stream, None)
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine's own refusal
-                raise _from_engine(exc) from None
+                replica.in_flight -= 1
+                error = _from_engine(exc)
+                if error.type in _RETRY_ELSEWHERE:
+                    last = error
+                    continue
+                raise error from None
+            finally:
+                replica.prefilling.remove(prompt)
+            if item["finish_reason"] == "error" and item.get("error_type") in _RETRY_ELSEWHERE \
+                    and not item["token_ids"]:
+                replica.in_flight -= 1
+                last = _from_item(item)
+                continue
+            self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
+            return replica, engine, stream, item
 
-    async def _items(self, label: str, prompt_ids: list[int], params: dict):
+    async def _items(self, label: str, prompt: PromptHashes, params: dict, choice: _Choice | None = None):
         """The engine's items for one request; if the consumer stops early, the engine stops too. An item
         that ends the request with an error is raised as the ``APIError`` it maps to."""
-        engine, stream, item = await self._start(label, prompt_ids, params)
+        affinity = choice.first.replica if choice is not None and choice.first is not None else None
+        replica, engine, stream, item = await self._start(label, prompt, params, affinity)
+        if choice is not None:
+            choice.replica = replica
         request_id = item["request_id"]   # the engine's own, unique id
         try:
             while True:
@@ -453,11 +537,12 @@ class OpenAIServer:
                     break
                 item = await (await stream.__anext__())
         except RayActorError:
-            self._engine = None
+            self.replicas.down(replica)
             raise _engine_restarted() from None
         except Exception as exc:  # noqa: BLE001
             raise _from_engine(exc) from None
         finally:
+            replica.in_flight -= 1
             if not item["finished"]:
                 _stop(engine, stream, request_id)
 
@@ -515,22 +600,24 @@ class OpenAIServer:
                     own["seed"] = (params["seed"] + j) % 2**64
                 engine_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 choices.append(_Choice(index, p, engine_id, own, StreamDecoder(self.tokenizer, stops), echoes[p]))
+                if j:
+                    choices[-1].first = choices[-1 - j]
         return choices
 
-    async def _open(self, choice: _Choice, prompt_ids: list[int]):
+    async def _open(self, choice: _Choice, prompt: PromptHashes):
         """The choice's engine stream and its first item (errors before it are plain HTTP errors)."""
-        items = self._items(choice.engine_id, prompt_ids, choice.params)
+        items = self._items(choice.engine_id, prompt, choice.params, choice)
         try:
             return items, await anext(items)
         except BaseException:
             await items.aclose()
             raise
 
-    async def _pump(self, choice: _Choice, opened, prompt_ids: list[int], queue: asyncio.Queue) -> None:
+    async def _pump(self, choice: _Choice, opened, prompt: PromptHashes, queue: asyncio.Queue) -> None:
         """Feed a choice from its engine stream (opening it first if needed), reporting each step."""
         items = None
         try:
-            items, item = opened if opened is not None else await self._open(choice, prompt_ids)
+            items, item = opened if opened is not None else await self._open(choice, prompt)
             while True:
                 delta, added = choice.feed(item)   # the event as of now: the consumer may lag behind
                 queue.put_nowait((choice, delta, item, choice.finish_reason, added))
@@ -543,7 +630,7 @@ class OpenAIServer:
             if items is not None:
                 await items.aclose()   # stopped early (a stop string): the engine request is aborted
 
-    async def _run(self, choices: list[_Choice], prompts: list[list[int]]):
+    async def _run(self, choices: list[_Choice], prompts: list[PromptHashes]):
         """Each prompt's first choice is opened before anything is returned, so a refused request is an HTTP
         error; its siblings start once it has its first token: its prompt's blocks are cached by then, and
         they reuse them. Yields (choice, text delta, engine item, finish reason, new logprob entries)."""
@@ -555,7 +642,7 @@ class OpenAIServer:
             raise _from_engine(failed)
         return self._events(choices, prompts, dict(zip((c.index for c in firsts), opened)))
 
-    async def _events(self, choices: list[_Choice], prompts: list[list[int]], opened: dict):
+    async def _events(self, choices: list[_Choice], prompts: list[PromptHashes], opened: dict):
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(c, opened.get(c.index), prompts[c.prompt], queue)) for c in choices]
         try:
@@ -603,7 +690,7 @@ class OpenAIServer:
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices exceed {MAX_CHOICES}", param="n")
         request_id = _request_id(request, kind)
-        await self._connect()  # learn the engine's vocabulary before checking ids against it
+        await self._connect()  # learn the model's vocabulary before checking ids against it
         for p, ids in enumerate(prompts):
             field = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
             self._check_length(len(ids), field)
@@ -611,7 +698,7 @@ class OpenAIServer:
         self._check_ids(list(params["stop_token_ids"]), "stop_token_ids")
         self._check_ids(list(params["logit_bias"]), "logit_bias")
         choices = self._choices(request_id, body, prompts, params, echoes or [""] * len(prompts))
-        events = await self._run(choices, prompts)
+        events = await self._run(choices, [PromptHashes(ids) for ids in prompts])
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         wants_logprobs = params["logprobs"] is not None
         if body.stream:
@@ -670,7 +757,7 @@ class OpenAIServer:
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         body = await _parse(request, CompletionBody, self.max_body_bytes)
-        await self._connect()   # the engine's vocabulary and EOS ids, before checking against them
+        await self._connect()   # the model's vocabulary and EOS ids, before checking against them
         params = self._params(body, body.max_tokens)
         prompt = body.prompt
         batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
@@ -717,21 +804,40 @@ class OpenAIServer:
 
     @app.get("/health")
     async def health(self):
-        """Readiness: 200 only when a completion would be served now; 503 (with why) otherwise."""
-        for attempt in (0, 1):  # a handle cached from a dead engine gets one fresh look-up
+        """Readiness: 200 when at least one replica would serve a completion now (the router sends
+        requests only to ready replicas); 503 (with why) when none would. ``replicas`` lists each one's
+        state: ready, starting, restarting, no_workers, stopping, or engine_restarted (does not answer);
+        ``routable``: how many the router has caught up with (their KV events) and sends requests to."""
+        self.replicas.follow()
+        states = await asyncio.gather(*(self._replica_health(r) for r in self.replicas.replicas))
+        report = {r.name: state for r, state in zip(self.replicas.replicas, states)}
+        ready = [name for name, st in report.items() if st["status"] == "ready"]
+        routable = sum(r.ready for r in self.replicas.replicas)   # those the router follows and sends to
+        if ready:
+            return {"status": "ok", "ready": len(ready), "routable": routable, "replicas": report}
+        codes = {st["status"] for st in report.values()}
+        if len(report) == 1:
+            state = next(iter(report.values()))
+            error = (APIError(503, f"the engine does not answer ({state['detail']})", "engine_restarted",
+                              code="engine_restarted") if state["status"] == "engine_restarted" else
+                     APIError(503, f"the engine is {state['status']}: {state['detail']}", "engine_unavailable",
+                              code=state["status"]))
+        else:
+            code = codes.pop() if len(codes) == 1 else "no_replica_ready"
+            error = APIError(503, "no engine replica is ready: " + "; ".join(
+                f"{name} is {st['status']}" for name, st in report.items()), "engine_unavailable", code=code)
+        return JSONResponse({**error.body(), "replicas": report}, status_code=503)
+
+    async def _replica_health(self, replica) -> dict:
+        """One replica's state; a handle cached from a dead engine gets one fresh look-up."""
+        for attempt in (0, 1):
             try:
-                engine = self._engine or ray.get_actor(self.engine_name, namespace=self.namespace)
-                state = await asyncio.wait_for(engine.health.remote(), HEALTH_TIMEOUT_S)
-                break
+                return await asyncio.wait_for(self.replicas.handle(replica).health.remote(), HEALTH_TIMEOUT_S)
             except (ValueError, RayActorError, asyncio.TimeoutError) as exc:
-                stale, self._engine = self._engine, None
-                if attempt or stale is None or isinstance(exc, asyncio.TimeoutError):
-                    return APIError(503, f"the engine does not answer ({type(exc).__name__})", "engine_restarted",
-                                    code="engine_restarted").response()
-        if state["status"] != "ready":
-            return APIError(503, f"the engine is {state['status']}: {state['detail']}", "engine_unavailable",
-                            code=state["status"]).response()
-        return {"status": "ok"}
+                self.replicas.down(replica)
+                if attempt or isinstance(exc, (ValueError, asyncio.TimeoutError)):
+                    return {"status": "engine_restarted", "detail": type(exc).__name__}
+        raise AssertionError("unreachable")
 
     @app.get("/health/live")
     async def live(self):
@@ -740,14 +846,29 @@ class OpenAIServer:
 
     @app.get("/metrics")
     async def metrics(self):
-        return PlainTextResponse(prometheus_text(await self._call("stats")),
-                                 media_type="text/plain; version=0.0.4")
+        """Every engine series labelled with its replica (a replica that does not answer has none but
+        ``swakv_replica_up 0``), and the router's own counters."""
+        self.replicas.follow()
+        replicas = self.replicas.replicas
+
+        async def stats(r):
+            try:
+                return await asyncio.wait_for(self.replicas.handle(r).stats.remote(), ENGINE_CALL_TIMEOUT_S)
+            except (ValueError, RayActorError, asyncio.TimeoutError):
+                self.replicas.down(r)
+                return None
+
+        per_replica = await asyncio.gather(*(stats(r) for r in replicas))
+        return PlainTextResponse(prometheus_text({r.rank: st for r, st in zip(replicas, per_replica)},
+                                                 self.replicas), media_type="text/plain; version=0.0.4")
 
 
-def build_app(engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None = None,
-              max_model_len: int = 4096, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
-    """A bound Serve application for ``serve.run``; the engine actor is found by name when needed."""
-    return OpenAIServer.bind(engine_name, namespace, model_name, tokenizer_dir, max_model_len, max_body_bytes)
+def build_app(engine_names: str | list[str], namespace: str, model_name: str, tokenizer_dir: str | None = None,
+              max_model_len: int = 4096, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, router: str = "prefix"):
+    """A bound Serve application for ``serve.run``; the engine actors are found by name when needed."""
+    make_router(router)   # an unknown router name fails here, before anything is deployed
+    return OpenAIServer.bind(engine_names, namespace, model_name, tokenizer_dir, max_model_len, max_body_bytes,
+                             router)
 
 
 def run(app, host: str = "127.0.0.1", port: int = 8000, name: str = "swakv"):

@@ -14,6 +14,10 @@ hit takes it back out, and only reuse for new content forgets its hash. Which fr
 is the eviction policy, all of it in ``free_queue``; the callers that release blocks tell it where a hit
 could still land on them. A block's hash is entered in ``cache`` and forgotten in ``_uncache`` (and by
 ``reset_prefix_cache``): the only two places the prefix cache changes.
+``events`` (optional, None by default) is told when a hash enters a group's cache (``stored``), when the
+last block holding it is reused (``removed``) and when the cache is reset (``cleared``): a data-parallel
+router learns each replica's cache from it. A block a request's window has left stays cached, so it
+makes no event until it is reused.
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ class BlockPool:
         # Per group: block hash -> {block_id: block}. Two blocks may hold equal content.
         self._cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in range(num_groups)]
         self._compositions: list[tuple[int, int, tuple[int, ...]]] = []
+        # Optional sink: stored(group, hash, parent hash, block index), removed(group, hash), cleared().
+        self.events = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,16 +141,20 @@ class BlockPool:
                 freed.append(block)
         return freed
 
-    def cache(self, block: Block, group: int, block_hash: bytes, parent: bytes | None = None) -> None:
-        """Enter a full block into the prefix cache; ``parent``: the hash before it in its chain (None for
-        the first block), so the eviction policy learns where chains fork."""
-        if parent is not None:
+    def cache(self, block: Block, group: int, block_hash: bytes, parent: bytes | None = None, index: int = -1,
+              learn: bool = False) -> None:
+        """Enter ``block`` (holding block ``index`` of a request, whose predecessor hashes to ``parent``, None
+        for the first block) into the prefix cache; ``learn``: tell the eviction policy how the chain goes
+        on, so it learns where chains fork."""
+        if learn and parent is not None:
             self.free.learn(parent, block_hash)
         block.group = group
         block.block_hash = block_hash
         entry = self._cached[group].get(block_hash)
         if entry is None:
             self._cached[group][block_hash] = {block.block_id: block}
+            if self.events is not None:
+                self.events.stored(group, block_hash, parent, index)
         else:
             entry[block.block_id] = block
 
@@ -153,6 +163,8 @@ class BlockPool:
         del entry[block.block_id]
         if not entry:
             del self._cached[block.group][block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.group, block.block_hash)
         block.group = -1
         block.block_hash = None
 
@@ -166,6 +178,8 @@ class BlockPool:
         for cache in self._cached:
             cache.clear()
         self.free.forget()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     # -- compositions, for the workers ---------------------------------------------------------

@@ -1,33 +1,29 @@
 """Several KV-cache groups drawing from one pool: one hit length all agree on, one capacity check (in units)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from math import lcm
 
 from .block_pool import Block, BlockPool
 from .group import KVCacheGroup
 from .request import Request
-from .specs import AttentionSpec
+from .specs import NEVER, AttentionSpec
 
 
-class GroupCoordinator:
-    def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
-        self.pool = pool
+class HitRule:
+    """The hit length every group agrees on, given each group's own search: the manager's rule, also run
+    by a router on the hashes it knows a replica caches (``cluster/router.py``)."""
+
+    def __init__(self, specs: Sequence[AttentionSpec]):
+        self.specs = tuple(specs)
+        self.alignment = lcm(*(s.block_size for s in self.specs))
         # Groups that drop nothing have downward-closed hits: asking them first caps the others' search.
-        self.groups = [KVCacheGroup(i, s, pool, enable_caching, w) for i, (s, w) in enumerate(zip(specs, pool.widths))]
-        self._search_order = sorted(self.groups, key=lambda g: g.drops)
-        self._dropping = [g for g in self.groups if g.drops]
-        self.alignment = lcm(*(s.block_size for s in specs))
-        self._block_sizes = sorted({s.block_size for s in specs})
-        seen: set[int] = set()
-        for g in self._search_order:    # one group per block size (one dropping nothing, if any) tells the
-            g.learns_chains = g.block_size not in seen      # free queue how chains go on
-            seen.add(g.block_size)
-        self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
-        # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
-        self._quiet: dict[str, tuple[int, int, int]] = {}
+        self.order = tuple(sorted(range(len(self.specs)), key=lambda g: self.specs[g].first_needed_token(NEVER) > 0))
 
-    def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
-        """The largest hit every group accepts, a multiple of ``alignment``, at most ``max_tokens``.
+    def longest(self, searches: Sequence[Callable[[int], int]], max_tokens: int) -> int:
+        """The largest hit every group accepts, a multiple of ``alignment``, at most ``max_tokens``;
+        ``searches[g](bound)``: group ``g``'s own longest hit in tokens, at most ``bound``.
 
         Each group returns its own longest hit at or below the current bound; the bound falls to the
         smallest answer (aligned) until one full round leaves it unchanged. It only ever falls, so this
@@ -36,16 +32,39 @@ class GroupCoordinator:
         align = self.alignment
         h = max_tokens // align * align
         settled = 0
-        while h > 0 and settled < len(self.groups):
+        while h > 0 and settled < len(self.order):
             settled = 0
-            for g in self._search_order:
-                hg = g.longest_hit(request, h) // align * align
+            for g in self.order:
+                hg = searches[g](h) // align * align
                 if hg == h:
                     settled += 1
                 else:
                     h, settled = hg, 0
                     if h == 0:
                         break
+        return h
+
+
+class GroupCoordinator:
+    def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
+        self.pool = pool
+        self.groups = [KVCacheGroup(i, s, pool, enable_caching, w) for i, (s, w) in enumerate(zip(specs, pool.widths))]
+        self._dropping = [g for g in self.groups if g.drops]
+        self.rule = HitRule(specs)
+        self.alignment = self.rule.alignment
+        self._block_sizes = sorted({s.block_size for s in specs})
+        seen: set[int] = set()
+        for g in self.rule.order:       # one group per block size (one dropping nothing, if any) tells the
+            group = self.groups[g]      # free queue how chains go on
+            group.learns_chains = group.block_size not in seen
+            seen.add(group.block_size)
+        self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
+        # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
+        self._quiet: dict[str, tuple[int, int, int]] = {}
+
+    def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
+        """The largest hit every group accepts (``HitRule``), a multiple of ``alignment``, at most ``max_tokens``."""
+        h = self.rule.longest([partial(g.longest_hit, request) for g in self.groups], max_tokens)
         for bs in self._block_sizes:
             hashes = request.block_hashes(bs, 0)
 

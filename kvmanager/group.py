@@ -138,7 +138,7 @@ class KVCacheGroup:
         for i in range(self._num_cached[rid], end):
             block = table[i]
             if block is not null and block.block_hash is None:
-                cache(block, gid, hashes[i], hashes[i - 1] if i and learns else None)
+                cache(block, gid, hashes[i], hashes[i - 1] if i else None, i, learns)
         self._num_cached[rid] = end
 
     def quiet_until(self, request: Request) -> tuple[int, int, int]:

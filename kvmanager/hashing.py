@@ -13,6 +13,7 @@ from functools import lru_cache
 from hashlib import sha256
 
 TOKEN_BYTES = 8   # tokens are hashed as little-endian int64
+HASH_BYTES = 32   # SHA-256 digests
 
 
 def root_hash(extra_keys: tuple = ()) -> bytes:

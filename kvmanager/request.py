@@ -1,7 +1,7 @@
 """A request as the manager sees it: its tokens, how many are computed, and its block hashes."""
 from __future__ import annotations
 
-from .hashing import hash_blocks, root_hash
+from .hashing import HASH_BYTES, hash_blocks, root_hash
 
 
 MAX_TOKEN_ID = (1 << 63) - 1   # tokens are hashed as int64
@@ -16,17 +16,35 @@ def _check_token_ids(token_ids, what: str) -> list[int]:
     return ids
 
 
+def _check_hashes(request_id: str, block_hashes, num_tokens: int) -> dict[int, list[bytes]]:
+    """Given hashes: block size -> at most one 32-byte digest per full block (checked at C speed)."""
+    if block_hashes is None:
+        return {}
+    ok = isinstance(block_hashes, dict) and all(
+        type(bs) is int and bs >= 1 and isinstance(hs, list) and len(hs) <= num_tokens // bs  # noqa: E721
+        and (not hs or (set(map(type, hs)) == {bytes} and set(map(len, hs)) == {HASH_BYTES}))
+        for bs, hs in block_hashes.items())
+    if not ok:
+        raise ValueError(f"request {request_id!r}: block_hashes must map block sizes to at most one "
+                         f"{HASH_BYTES}-byte hash per full block of the prompt")
+    return {bs: list(hs) for bs, hs in block_hashes.items()}
+
+
 class Request:
     """Tokens of one sequence. The caller advances ``num_computed_tokens`` after each step.
 
     ``extra_keys`` (e.g. a cache salt or an adapter name) make its blocks distinct from another
     request's with the same tokens. Block hashes are computed lazily, once per full block and block size.
+    ``block_hashes`` (block size -> leading hashes) hands over hashes a caller already computed from these
+    tokens and keys with ``hashing`` (a router that scored the prompt), so they are not computed twice;
+    they are trusted, as the tokens are: only their shape is checked.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "extra_keys", "finished", "_hashes")
 
-    def __init__(self, request_id: str, prompt_token_ids, *, extra_keys: tuple = ()):
+    def __init__(self, request_id: str, prompt_token_ids, *, extra_keys: tuple = (),
+                 block_hashes: dict[int, list[bytes]] | None = None):
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt = _check_token_ids(prompt_token_ids, "prompt_token_ids")
@@ -42,7 +60,7 @@ class Request:
         self.num_computed_tokens = 0
         self.extra_keys = extra_keys
         self.finished = False
-        self._hashes: dict[int, list[bytes]] = {}
+        self._hashes: dict[int, list[bytes]] = _check_hashes(request_id, block_hashes, len(prompt))
 
     @property
     def num_tokens(self) -> int:

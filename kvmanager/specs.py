@@ -47,22 +47,28 @@ class AttentionSpec:
         """Fewest computed tokens ``n`` with ``first_needed_token(n) >= token``: when a drop will next happen."""
         raise NotImplementedError
 
-    def longest_hit(self, is_cached: Callable[[int], bool], max_blocks: int) -> int:
+    def longest_hit(self, is_cached: Callable[[int], bool] | None, max_blocks: int,
+                    first_miss: Callable[[int, int], int] | None = None) -> int:
         """Largest ``e <= max_blocks`` such that the blocks a hit of ``e`` blocks needs are all cached.
 
         Scans candidates from the right. A candidate ``e`` needs blocks ``[first, e)``; they are tested
         left to right, so a miss at block ``i`` rules out every candidate whose run contains ``i`` and the
         next candidate is ``i`` itself: a cold search of a sliding window of ``R`` blocks tests about one
-        block in ``R``. Blocks already known cached are not tested twice.
+        block in ``R``. Blocks already known cached are not tested twice. ``first_miss(start, stop)``, if
+        given, replaces the block-by-block test: the first block in ``[start, stop)`` not cached, else
+        ``stop`` (a caller holding a set of hashes answers it at C speed; see ``cluster/router.py``).
         """
+        if first_miss is None:
+            def first_miss(i: int, stop: int) -> int:
+                while i < stop and is_cached(i):
+                    i += 1
+                return i
         bs = self.block_size
         end = max_blocks
         known_from = end  # blocks [known_from, end) are known to be cached
         while end > 0:
             first = self.first_needed_token(end * bs) // bs
-            i = first
-            while i < known_from and is_cached(i):
-                i += 1
+            i = first_miss(first, known_from) if first < known_from else first
             if i >= known_from:
                 return end
             end, known_from = i, first

@@ -35,7 +35,7 @@ from cluster.loadgen import (
     parse_trace,
     percentile,
 )
-from cluster.loadtest import LoadTestConfig, LocalCluster, register, run_layout
+from cluster.loadtest import LoadTestConfig, LocalCluster, register, run_layout, run_one
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,16 @@ def test_bad_workload_knobs_are_named(kwargs, message):
 
 @pytest.mark.parametrize("changes, message", [
     ({"nodes": 1}, "nodes must be >= 2"),
-    ({"nodes": 2, "cpus_per_node": 1, "pipeline_parallel_size": 2}, "pipeline_parallel_size=2 needs that many"),
+    ({"nodes": 2, "cpus_per_node": 1, "pipeline_parallel_size": 2},
+     "data_parallel_size=1 x pipeline_parallel_size=2 needs 2 worker CPUs; nodes=2 with cpus_per_node=1 give 1"),
+    ({"data_parallel_size": 3, "pipeline_parallel_size": 2}, "data_parallel_size=3 x pipeline_parallel_size=2 needs 6"),
+    ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
+    ({"routers": ("prefix", "random")}, "routers must be distinct names from round-robin, least-loaded, prefix"),
+    ({"routers": ("prefix", "prefix")}, "routers must be distinct names"),
+    ({"routers": ("prefix",)}, "a comparison of routers runs one KV layout"),
+    ({"kill_replica_at": 3.0, "data_parallel_size": 1, "layouts": ("window_aware",), "pipeline_parallel_size": 1},
+     "kill_replica_at needs data_parallel_size >= 2"),
+    ({"workload_args": {"popularity": -1}}, None),
     ({"kill_node_at": 3.0, "nodes": 2}, "kill_node_at needs the worker nodes left after one dies to hold all 2"),
     ({"kill_worker_at": -1.0}, "kill_worker_at must be a finite number >= 0"),
     ({"duration_s": 0}, "duration_s must be a finite number > 0"),
@@ -140,8 +149,9 @@ def test_bad_workload_knobs_are_named(kwargs, message):
 ])
 def test_bad_load_test_configs_are_named(changes, message):
     with pytest.raises(ValueError) as err:
-        LoadTestConfig(**changes).check()
-    assert message in str(err.value)
+        LoadTestConfig(**changes).check().sessions()
+    assert message is None and "popularity must be a finite number >= 0" in str(err.value) \
+        or message in str(err.value)
 
 
 def test_workload_knobs_are_checked_by_the_generator_they_feed():
@@ -161,6 +171,45 @@ def test_command_line_refuses_bad_values_before_starting_anything(capsys):
     args = parser.parse_args(["loadtest", "--trace", "/nonexistent/trace.jsonl"])
     assert args.func(args) == 2
     assert "trace '/nonexistent/trace.jsonl': cannot read it" in capsys.readouterr().err
+    for argv, message in ((["-dp", "0"], "argument --data-parallel-size/-dp: '0' must be > 0"),
+                          (["--router", "random"], "argument --router: invalid choice: 'random'"),
+                          (["--kill-replica-at", "-2"], "argument --kill-replica-at: '-2' must be >= 0"),
+                          (["--shared-prefixes", "0"], "argument --shared-prefixes: '0' must be > 0"),
+                          (["--popularity", "x"], "argument --popularity: 'x' is not a number")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["loadtest", *argv])
+        assert message in capsys.readouterr().err
+    for argv, message in ((["-dp", "3", "--layouts", "both"], "a comparison of routers runs one KV layout"),
+                          (["--workload", "agent", "--shared-prefixes", "2"], "agent sessions all share one"),
+                          (["--kill-replica-at", "3"], "kill_replica_at needs data_parallel_size >= 2"),
+                          (["-dp", "3", "--nodes", "2"], "needs 3 worker CPUs; nodes=2 with cpus_per_node=2 give 2")):
+        args = parser.parse_args(["loadtest", *argv])
+        assert args.func(args) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_router_comparisons_default_to_one_layout_one_stage_and_busier_shared_prefix_workloads():
+    from cluster.loadtest import config_from_args
+    parser = argparse.ArgumentParser(prog="swakv")
+    register(parser.add_subparsers(dest="command"))
+    cfg = config_from_args(parser.parse_args(["loadtest", "--compare-routers", "-dp", "3", "--workload", "qa"]))
+    assert (cfg.routers, cfg.layouts, cfg.pipeline_parallel_size, cfg.data_parallel_size) == (
+        ("round-robin", "least-loaded", "prefix", "ray-prefix-tree"), ("window_aware",), 1, 3)
+    assert cfg.workload_args == {"sessions": 80, "rate": 4.0, "documents": 12, "popularity": 1.0}
+    cfg = config_from_args(parser.parse_args(["loadtest", "-dp", "2", "--shared-prefixes", "3", "--popularity", "0"]))
+    assert (cfg.routers, cfg.workload_args["system_prompts"], cfg.workload_args["popularity"]) == (("prefix",), 3, 0.0)
+    cfg = config_from_args(parser.parse_args(["loadtest"]))       # no replicas: the layouts, as before
+    assert (cfg.routers, cfg.layouts, cfg.pipeline_parallel_size, cfg.workload_args) == (
+        (), ("window_aware", "sliding_as_full"), 2, {})
+
+
+def test_shared_system_prompts_and_their_popularity_are_functions_of_the_seed():
+    chats = multi_turn_chat(sessions=40, system_tokens=50, system_prompts=3, popularity=2.0, seed=4)
+    assert chats == multi_turn_chat(sessions=40, system_tokens=50, system_prompts=3, popularity=2.0, seed=4)
+    counts = sorted((sum(s.prefix == p for s in chats) for p in {s.prefix for s in chats}), reverse=True)
+    assert len(counts) == 3 and sum(counts) == 40 and counts[0] > 40 * 0.4    # weights 1, 1/4, 1/9: 73% first
+    docs = document_qa(sessions=40, documents=5, system_tokens=50, popularity=0.0, seed=4)
+    assert len({s.prefix for s in docs}) == 5
 
 
 def test_the_load_generator_talks_only_to_loopback():
@@ -178,11 +227,19 @@ CONFIG = LoadTestConfig(
 
 
 RUNS = (("plain", "window_aware", None), ("killed", "window_aware", 1.5), ("full", "sliding_as_full", None),
-        ("real", "window_aware", None), ("real_full", "sliding_as_full", None))
+        ("real", "window_aware", None), ("real_full", "sliding_as_full", None), ("replicas", "window_aware", None))
 # The bundled tiny model (sliding W=64 + full layers) on real CPU workers; prompts run to ~400 tokens.
 REAL = dataclasses.replace(CONFIG, model="default", real=True, pipeline_parallel_size=1, kv_memory=None,
                            workload_args={"sessions": 3, "turns": 2, "rate": 4.0, "system_tokens": 160,
                                           "user_tokens": 40, "max_tokens": 8, "think_s": 0.1})
+
+
+# Three engine replicas (one simulated stage each) behind the prefix router; replica 0's engine actor is
+# killed mid-run and Ray restarts it. Chats share two system prompts.
+REPLICAS = dataclasses.replace(CONFIG, data_parallel_size=3, pipeline_parallel_size=1, routers=("prefix",),
+                               layouts=("window_aware",),
+                               kill_replica_at=2.0, workload_args={**CONFIG.workload_args, "sessions": 6,
+                                                                   "system_prompts": 2})
 
 
 def drive(out_path: str) -> None:
@@ -193,8 +250,13 @@ def drive(out_path: str) -> None:
     with cluster:
         url: dict = {}
         for name, layout, kill_at in RUNS:
-            base = REAL if name.startswith("real") else cfg
-            run = run_layout(cluster, dataclasses.replace(base, kill_worker_at=kill_at), layout, base.sessions(), url)
+            if name == "replicas":
+                base = REPLICAS.check()
+                run = run_one(cluster, base, layout, "prefix", base.sessions(), url)
+            else:
+                base = REAL if name.startswith("real") else cfg
+                run = run_layout(cluster, dataclasses.replace(base, kill_worker_at=kill_at), layout, base.sessions(),
+                                 url)
             out[name] = {"summary": run["summary"], "timeline": run["result"].timeline,
                          "records": [dataclasses.asdict(r) for r in run["result"].records]}
     out["processes_left"] = cluster.processes_left()
@@ -210,11 +272,11 @@ def runs(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, __file__, "--drive", str(out)], env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        log, _ = proc.communicate(timeout=100)
+        log, _ = proc.communicate(timeout=160)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)   # the driver and every Ray process it started
         log, _ = proc.communicate()
-        pytest.fail(f"the load-test driver ran over 100 s:\n{log[-3000:]}")
+        pytest.fail(f"the load-test driver ran over 160 s:\n{log[-3000:]}")
     assert proc.returncode == 0, log[-3000:]
     with open(out, encoding="utf-8") as f:
         data = json.load(f)
@@ -222,6 +284,7 @@ def runs(tmp_path_factory):
         data[name]["records"] = [RequestRecord(**r) for r in data[name]["records"]]
     data["sessions"] = CONFIG.sessions()
     data["real_sessions"] = REAL.sessions()
+    data["replica_sessions"] = REPLICAS.sessions()
     return data
 
 
@@ -327,6 +390,26 @@ def test_real_workers_give_dense_greedy_tokens_in_both_layouts(runs, name):
             assert rec.prompt_tokens == prompt_len and rec.output_token_ids == ids[prompt_len:], (name, s.session_id, k)
             history = ids
     assert max(r.prompt_tokens for r in records.values()) > 2 * 64   # beyond the sliding window
+
+
+def test_replicas_spread_over_nodes_and_a_killed_one_loses_nothing_answers_nothing_twice(runs):
+    s = runs["replicas"]["summary"]
+    assert s["events"] == ["killed replica swakv-engine-0 (Ray restarts it)"]
+    kill = next(p for p in runs["replicas"]["timeline"] if "event" in p)
+    assert kill["in_flight"] >= 1                                      # requests were in flight when it died
+    assert (s["lost"], s["answered_twice"]) == (0, 0)
+    assert s["completed"] + s["failed"] == s["requests"] and s["completed"] >= 12
+    for rec in runs["replicas"]["records"]:
+        if rec.status == "completed":
+            assert rec.output_token_ids == _expected_tokens(rec), (rec.session_id, rec.turn)   # exactly once each
+        else:   # it had streamed tokens from the replica that died: the retryable error it gets today
+            assert rec.error.startswith("stream error: the engine restarted") and "retried" in rec.error
+    # 3 replicas, one worker each, on the two worker nodes (2 CPUs each): both used
+    assert sorted(n for nodes in s["replica_nodes"] for n in nodes) in ([1, 1, 2], [1, 2, 2])
+    router = s["router"]
+    assert s["replica_restarts"] == [1, 0, 0] and router["downs"][0] >= 1 and router["ready_at_end"] == 3
+    assert router["snapshots"][0] >= 2                 # learnt at the start, re-learnt after the restart
+    assert sum(router["routed"]) == s["requests"] + router["retries"] + 1   # + the warm-up request
 
 
 def test_teardown_leaves_no_process_of_the_cluster(runs):

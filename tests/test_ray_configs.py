@@ -45,8 +45,10 @@ def test_serve_config_passes_serves_schema_and_names_a_real_builder():
     (app,) = schema.applications
     module, attr = app.import_path.split(":")
     assert callable(getattr(importlib.import_module(module), attr))
-    # every arg is a keyword build_engine takes (the builder passes them through)
-    inspect.signature(build_engine).bind(**app.args)
+    # every arg is a keyword build_engine takes (the builder passes them through), or a serving option
+    serving = {"max_body_bytes", "data_parallel_size", "router"}
+    inspect.signature(build_engine).bind(**{k: v for k, v in app.args.items() if k not in serving})
+    assert set(app.args) & serving == {"data_parallel_size", "router"}
 
 
 def test_a_serve_config_with_a_bad_field_is_refused():
@@ -54,3 +56,14 @@ def test_a_serve_config_with_a_bad_field_is_refused():
     broken["http_options"]["port"] = "eighty"
     with pytest.raises(Exception, match="port"):
         ServeDeploySchema.model_validate(broken)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"router": "random"}, "router must be one of round-robin, least-loaded, prefix, ray-prefix-tree"),
+    ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1, got 0"),
+    ({"data_parallel_size": "2"}, "data_parallel_size must be an integer >= 1, got '2'"),
+])
+def test_the_serve_builder_refuses_bad_serving_options_before_starting_anything(args, message):
+    from cluster.app import build
+    with pytest.raises(ValueError, match=message):
+        build({"model": "default", **args})

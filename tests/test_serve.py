@@ -120,7 +120,7 @@ def wait_idle() -> dict:
 def assert_still_serving(url: str) -> None:
     """After a hostile request: ready, and a normal request gets its exact tokens."""
     health = httpx.get(url + "/health", timeout=30)
-    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert (health.status_code, health.json()["status"]) == (200, "ok")
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 4)
@@ -313,7 +313,8 @@ def test_models_health_metrics(url):
     models = httpx.get(url + "/v1/models", timeout=30).json()
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [(MODEL, MAX_LEN)]
     health = httpx.get(url + "/health", timeout=30)
-    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert (health.status_code, health.json()) == (200, {"status": "ok", "ready": 1, "routable": 1, "replicas": {
+        ENGINE: {"status": "ready", "detail": ""}}})
 
     wait_idle()
     r = httpx.get(url + "/metrics", timeout=30)
@@ -324,18 +325,24 @@ def test_models_health_metrics(url):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     stats = engine_stats()   # no traffic in between: the same numbers the endpoint rendered
-    assert samples["swakv_requests_running"] == 0.0 and samples["swakv_requests_waiting"] == 0.0
-    assert samples["swakv_kv_cache_usage_ratio"] == stats["kv_usage"]
-    assert samples["swakv_prefix_cache_hit_rate"] == stats["prefix_hit_rate"]
-    assert samples["swakv_preemptions_total"] == stats["preemptions"]
-    assert samples["swakv_steps_total"] == stats["steps"] > 0
-    assert samples["swakv_step_time_seconds_mean"] == stats["mean_step_time_s"] > 0
-    assert samples["swakv_delta_bytes_total"] == stats["delta_bytes"]
-    assert samples["swakv_worker_restarts_total"] == 0.0
+    one = '{replica="0"}'    # a deployment of one replica: every engine series is replica 0's
+    assert samples["swakv_replica_up" + one] == 1.0
+    assert samples["swakv_requests_running" + one] == 0.0 and samples["swakv_requests_waiting" + one] == 0.0
+    assert samples["swakv_kv_cache_usage_ratio" + one] == stats["kv_usage"]
+    assert samples["swakv_prefix_cache_hit_rate" + one] == stats["prefix_hit_rate"]
+    assert samples["swakv_preemptions_total" + one] == stats["preemptions"]
+    assert samples["swakv_steps_total" + one] == stats["steps"] > 0
+    assert samples["swakv_step_time_seconds_mean" + one] == stats["mean_step_time_s"] > 0
+    assert samples["swakv_delta_bytes_total" + one] == stats["delta_bytes"]
+    assert samples["swakv_worker_restarts_total" + one] == 0.0
     # 3 sliding layers + 1 full: one group per kind, sliding first (its blocks 3 units of one layer wide)
     assert [k for k in samples if k.startswith("swakv_kv_cache_group_usage_ratio")] == [
-        f'swakv_kv_cache_group_usage_ratio{{group="{g}"}}' for g in range(2)]
-    assert samples['swakv_requests_finished_total{reason="length"}'] == stats["finished"]["length"]
+        f'swakv_kv_cache_group_usage_ratio{{replica="0",group="{g}"}}' for g in range(2)]
+    assert samples['swakv_requests_finished_total{replica="0",reason="length"}'] == stats["finished"]["length"]
+    # the router's view: one replica, so nothing to choose; its index follows the engine's KV events
+    assert samples['swakv_router_requests_total{replica="0",reason="only"}'] >= 1
+    assert samples["swakv_router_retries_total"] == 0.0
+    assert samples['swakv_router_kv_snapshots_total{replica="0"}'] >= 1
 
 
 # -- hostile requests: each gets its error, and the server goes on ------------------------------------
@@ -458,7 +465,7 @@ def test_a_request_the_engine_fails_alone_gets_a_500_and_the_others_are_served(u
 
 def test_liveness_and_readiness(url):
     assert httpx.get(url + "/health/live", timeout=30).json() == {"status": "ok"}
-    assert httpx.get(url + "/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
 
 
 def test_client_disconnect_aborts_the_request(url):

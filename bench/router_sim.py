@@ -1,0 +1,169 @@
+"""Routers compared on simulated time: N engine replicas (real scheduler + manager, simulated workers timed
+by the cost model), the real routers over KV-event indexes, the load test's workloads, no wall clock.
+
+The live load test (``swakv loadtest --compare-routers``) measures the whole stack on this machine, whose
+CPUs are shared and noisy; this replays the same sessions in simulated GPU time, so a comparison of
+routers depends only on their decisions. Every replica steps whenever it has work, each step taking the
+cost model's time; a turn arrives, is routed (the router sees each replica's queues, KV usage, prefill
+backlog and cached hashes as of that moment), and its session's next turn arrives its think time after
+the answer's last token. TTFT is arrival to the first token's step end.
+
+    python bench/router_sim.py --workload chat --seeds 0,1,2,3,4
+    python bench/router_sim.py --workload qa --seeds 0,1,2,3,4
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cluster.kv_events import EventPublisher  # noqa: E402
+from cluster.llm import build_engine  # noqa: E402
+from cluster.loadgen import WORKLOADS, percentile, request_seed  # noqa: E402
+from cluster.loadtest import ROUTER_WORKLOADS  # noqa: E402
+from cluster.router import ROUTERS, PromptHashes, Replica, make_router  # noqa: E402
+from cluster.scheduler import SamplingParams  # noqa: E402
+from kvmanager.coordinator import HitRule  # noqa: E402
+
+
+def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int, kv_memory: int,
+             duration_s: float, seed: int = 0) -> dict:
+    engines, pubs, views = [], [], []
+    for rank in range(replicas):
+        engine, _ = build_engine(model, simulated_gpu=gpu, kv_cache_memory=kv_memory, pipeline_parallel_size=1)
+        pub = EventPublisher(engine.manager.specs, rank)
+        pub.attach(engine.manager)
+        engines.append(engine)
+        pubs.append(pub)
+        views.append(Replica(rank, f"replica-{rank}", ready=True, rule=HitRule(engine.manager.specs)))
+    router = make_router(router_name, seed)
+    events: list = []       # (time, order, kind, payload)
+    order = 0
+
+    def push(t, kind, payload):
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (t, order, kind, payload))
+
+    for s in sessions:
+        push(s.start_s + s.turns[0].think_s, "arrive", (s, 0, tuple(s.prefix)))
+    busy = [False] * replicas
+    reasons: dict[str, int] = {}
+    records: dict[str, dict] = {}
+    where: dict[str, int] = {}
+
+    def refresh(r: int) -> None:
+        e, v = engines[r], views[r]
+        pubs[r].flush()
+        v.index.load(pubs[r].epoch, *pubs[r].snapshot()) if not v.index.synced else \
+            [v.index.apply(q, p) for q, p in pubs[r].since(v.index.seq)]
+        sch = e.scheduler
+        v.running, v.waiting, v.kv_usage = len(sch.running), len(sch.waiting), e.manager.usage
+        v.backlog = sum(len(q.req.prompt_token_ids) - q.req.num_computed_tokens for q in sch.sequences.values()
+                        if q.req.num_computed_tokens < len(q.req.prompt_token_ids))
+        v.sent_tokens = 0
+
+    def start_step(r: int, t: float) -> None:
+        e = engines[r]
+        before = e.metrics.simulated_time_s
+        updates = e.step()
+        busy[r] = True
+        push(t + (e.metrics.simulated_time_s - before), "step", (r, updates))
+
+    while events:
+        t, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            s, k, history = payload
+            if t >= duration_s:
+                continue
+            prompt = list(history if s.carry_history else s.prefix) + list(s.turns[k].text)
+            rid = f"{s.session_id}-{k}"
+            ph = PromptHashes(prompt)
+            choice = router.choose(views, ph)
+            r = choice.replica.rank
+            choice.replica.prefilling.append(ph)
+            reasons[choice.reason] = reasons.get(choice.reason, 0) + 1
+            engines[r].add_request(rid, prompt, SamplingParams(max_tokens=s.turns[k].max_tokens,
+                                                               seed=request_seed(seed, s.session_id, k)))
+            records[rid] = {"arrival": t, "prompt": len(prompt), "cached": None, "first": None, "tokens": [],
+                            "session": s, "turn": k, "prompt_ids": prompt, "hashes": ph}
+            where[rid] = r
+            refresh(r)
+            if not busy[r]:
+                start_step(r, t)
+        else:
+            r, updates = payload
+            busy[r] = False
+            for u in updates:
+                rec = records[u.request_id]
+                if (u.new_token_ids or u.finished) and rec["first"] is None:
+                    rec["first"] = t
+                    rec["cached"] = u.num_cached_tokens
+                    views[r].prefilling.remove(rec["hashes"])
+                rec["tokens"] += u.new_token_ids
+                if u.finished:
+                    rec["end"] = t
+                    s, k = rec["session"], rec["turn"]
+                    if u.finish_reason == "length" and k + 1 < len(s.turns):
+                        push(t + s.turns[k + 1].think_s, "arrive", (s, k + 1, tuple(rec["prompt_ids"] + rec["tokens"])))
+            refresh(r)
+            if engines[r].has_work():
+                start_step(r, t)
+    done = [x for x in records.values() if "end" in x]
+    gpu_s = sum(e.metrics.simulated_time_s for e in engines)
+    ttft = [x["first"] - x["arrival"] for x in done]
+    return {"completed": len(done), "hit_rate": sum(x["cached"] or 0 for x in done) / sum(x["prompt"] for x in done),
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "tokens_per_gpu_s": sum(len(x["tokens"]) for x in done) / gpu_s,
+            "per_replica": [sum(1 for rid in where if where[rid] == r) for r in range(replicas)],
+            "preemptions": sum(e.scheduler.num_preemptions for e in engines), "reasons": reasons}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="chat")
+    p.add_argument("--model", default="gemma-3-27b")
+    p.add_argument("--gpu", default="H100-80GB")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--kv-memory-gib", type=float, default=6.0)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--popularity", type=float, default=None)
+    p.add_argument("--rate", type=float, default=None)
+    p.add_argument("--sessions", type=int, default=None)
+    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--seeds", default="0", help="workload seeds, e.g. 0,1,2,3,4: one run each, then the means")
+    args = p.parse_args(argv)
+    knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
+    for k in ("popularity", "rate", "sessions"):
+        if getattr(args, k) is not None:
+            knobs[k] = getattr(args, k)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    routers = args.routers.split(",")
+    print(f"{args.workload} {knobs} on {args.replicas} x {args.model} ({args.gpu}), simulated time, seeds {seeds}")
+    print(f"{'router':>16} {'seed':>4} {'done':>5} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/GPU-s':>10} "
+          f"{'preempt':>8}  requests per replica, routing")
+    results: dict[str, list[dict]] = {r: [] for r in routers}
+    for seed in seeds:
+        sessions = WORKLOADS[args.workload](seed=seed, **knobs)
+        for name in routers:
+            out = simulate(name, sessions, model=args.model, gpu=args.gpu, replicas=args.replicas,
+                           kv_memory=int(args.kv_memory_gib * (1 << 30)), duration_s=args.duration, seed=seed)
+            results[name].append(out)
+            print(f"{name:>16} {seed:>4} {out['completed']:>5} {out['hit_rate']:>9.1%} {out['ttft_p50'] * 1e3:>8.0f}m "
+                  f"{out['ttft_p99'] * 1e3:>8.0f}m {out['tokens_per_gpu_s']:>10.1f} {out['preemptions']:>8}  "
+                  f"{out['per_replica']}  {', '.join(f'{k} {v}' for k, v in sorted(out['reasons'].items()))}")
+    if len(seeds) > 1:
+        print(f"\nmeans over {len(seeds)} seeds")
+        for name, outs in results.items():
+            def mean(key):
+                return sum(o[key] for o in outs) / len(outs)
+            print(f"{name:>16}      {'':>5} {mean('hit_rate'):>9.1%} {mean('ttft_p50') * 1e3:>8.0f}m "
+                  f"{mean('ttft_p99') * 1e3:>8.0f}m {mean('tokens_per_gpu_s'):>10.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Routing among data-parallel replicas: the window-aware prefix router against a brute force over the
+replicas' managers, its load rule, the other policies, and the prompt hashes it hands the engine.
+
+Each replica is a real engine (scheduler + manager over a simulated worker) that served its own random
+traffic; the router sees it only through its KV events. The brute force asks every manager what it
+caches and applies BRIEF §2's hit rule over every length (``test_kv_properties.oracle_hit``).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.kv_events import EventPublisher, KVIndex
+from cluster.router import (LeastLoaded, PrefixAware, PromptHashes, RayPrefixTree, Replica, RoundRobin,
+                            common_prefix_tokens, make_router, prefix_hit, split_hashes)
+from cluster.scheduler import SamplingParams
+from kvmanager import Request
+from kvmanager.coordinator import HitRule
+
+from test_kv_events import LAYOUTS, SHARED, VOCAB, follow, make_engine
+from test_kv_properties import oracle_hit
+
+
+def replica_of(rank: int, engine) -> tuple[Replica, EventPublisher]:
+    pub = EventPublisher(engine.manager.specs, rank)
+    pub.attach(engine.manager)
+    return Replica(rank, f"engine-{rank}", ready=True, rule=HitRule(engine.manager.specs)), pub
+
+
+def brute_force_hit(manager, prompt: list[int]) -> int:
+    """The largest hit BRIEF §2 allows on what ``manager`` caches (every length tried)."""
+    req = Request("probe", prompt)
+    cached = [{j for j, h in enumerate(req.block_hashes(s.block_size)) if h in manager.pool._cached[g]}
+              for g, s in enumerate(manager.specs)]
+    return oracle_hit(list(manager.specs), cached, len(prompt))
+
+
+TRAFFIC = st.lists(st.tuples(st.integers(0, 2), st.integers(0, len(SHARED) - 1),
+                             st.lists(st.integers(0, VOCAB - 1), max_size=24), st.integers(1, 10)), max_size=24)
+PROBE = st.tuples(st.integers(0, len(SHARED)), st.lists(st.integers(0, VOCAB - 1), max_size=30))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=st.sampled_from(sorted(LAYOUTS)), num_blocks=st.integers(40, 160), traffic=TRAFFIC,
+       probes=st.lists(PROBE, min_size=1, max_size=8))
+def test_the_prefix_router_picks_the_replica_a_brute_force_over_the_managers_picks(layout, num_blocks, traffic,
+                                                                                   probes):
+    engines = [make_engine(layout, num_blocks) for _ in range(3)]
+    replicas, pubs = zip(*(replica_of(i, e) for i, e in enumerate(engines)))
+    served: list[list[int]] = []
+    for n, (where, shared, text, max_tokens) in enumerate(traffic):   # each replica serves its own requests
+        prompt = SHARED[shared] + text
+        try:
+            engines[where].add_request(f"t{n}", prompt, SamplingParams(max_tokens=max_tokens))
+        except ValueError:
+            continue
+        while engines[where].has_work():
+            for u in engines[where].step():
+                if u.finished:
+                    served.append(prompt)
+    for r, pub in zip(replicas, pubs):
+        pub.flush()
+        follow(r.index, pub)
+    router = PrefixAware()
+    for shared, text in probes:
+        prompt = (SHARED[shared] if shared < len(SHARED) else []) + text or [0]
+        truth = [brute_force_hit(e.manager, prompt) for e in engines]
+        for r, e in zip(replicas, engines):
+            assert prefix_hit(r, PromptHashes(prompt)) == truth[r.rank] == e.manager.get_computed_blocks(
+                Request("probe", prompt))[1]
+        choice = router.choose(list(replicas), PromptHashes(prompt))
+        assert choice.hit_tokens == truth[choice.replica.rank] == max(truth)
+        assert choice.reason == ("best-hit" if max(truth) else "least-loaded")
+
+
+def hybrid_replicas(prompt: list[int], holders: tuple[int, ...]) -> list[Replica]:
+    """Three idle gemma-3-like replicas; ``holders`` have computed ``prompt``."""
+    replicas = []
+    for rank in range(3):
+        engine = make_engine("gemma-3", 200)
+        replica, pub = replica_of(rank, engine)
+        if rank in holders:
+            engine.add_request("p", prompt, SamplingParams(max_tokens=1))
+            while engine.has_work():
+                engine.step()
+        pub.flush()
+        follow(replica.index, pub)
+        replicas.append(replica)
+    return replicas
+
+
+PROMPT = SHARED[0] * 3          # 60 tokens: 15 blocks of 4
+
+
+def test_equal_hits_go_to_the_least_work_and_an_overloaded_best_hit_is_passed_over():
+    replicas = hybrid_replicas(PROMPT, holders=(0, 2))
+    ask = PromptHashes(PROMPT + [1, 1])            # 62 tokens: 60 cached on replicas 0 and 2, 2 to compute
+    router = PrefixAware(slack=4)
+    replicas[0].backlog, replicas[2].backlog = 30, 10
+    choice = router.choose(replicas, ask)          # work ahead of its first token: 32, 62, 12
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (2, 60, "best-hit")
+    assert replicas[2].sent_tokens == 2            # counted until its next report
+    replicas[2].backlog, replicas[2].sent_tokens = 100, 0
+    assert router.choose(replicas, ask).replica.rank == 0   # 32, 62, 102: the other holder
+    replicas[0].sent_tokens = 0
+    replicas[0].waiting, replicas[2].waiting, replicas[1].waiting = 3, 5, 0
+    assert router.choose(replicas, ask).replica.rank == 0   # 3 waiting more than replica 1: within the slack
+    replicas[0].waiting = 4
+    # both holders have 4 or more requests waiting for admission than replica 1: overloaded, so the one
+    # with less work of two random replicas (the holders' backlogs were made large)
+    replicas[0].backlog = replicas[2].backlog = 200
+    choices = []
+    for _ in range(30):
+        choices.append(router.choose(replicas, ask))
+        for r in replicas:
+            r.sent_tokens = 0
+    assert {c.reason for c in choices} == {"overloaded"}
+    assert {c.replica.rank for c in choices if c.hit_tokens == 0} == {1}    # the cold replica is replica 1
+    assert sum(c.replica.rank == 1 for c in choices) >= 15                # drawn in 2 of every 3 pairs
+
+
+def test_a_burst_for_one_new_prefix_goes_where_it_is_being_prefilled():
+    replicas = hybrid_replicas(PROMPT, holders=())
+    router = PrefixAware()
+    doc = [1, 2, 3, 0] * 40                         # 160 tokens no replica has
+    first = router.choose(replicas, PromptHashes(doc + [1]))
+    assert (first.hit_tokens, first.reason) == (0, "least-loaded")
+    first.replica.prefilling.append(PromptHashes(doc + [1]))
+    second = router.choose(replicas, PromptHashes(doc + [2, 2, 2, 2, 2]))
+    assert (second.replica, second.hit_tokens, second.reason) == (first.replica, 160, "best-hit")
+    assert common_prefix_tokens(PromptHashes(doc + [1] * 7), PromptHashes(doc + [2] * 9), 4) == 160
+    assert common_prefix_tokens(PromptHashes(doc[:37]), PromptHashes(doc), 4) == 36       # whole blocks only
+    assert common_prefix_tokens(PromptHashes([3] + doc), PromptHashes(doc), 4) == 0
+
+
+def test_a_cold_prompt_goes_to_the_least_work_and_a_sliding_hit_needs_only_the_window():
+    replicas = hybrid_replicas(PROMPT, holders=(1,))
+    router = PrefixAware()
+    replicas[0].backlog, replicas[1].backlog, replicas[2].backlog = 500, 0, 100
+    cold = router.choose(replicas, PromptHashes([3, 3, 3] * 10))
+    assert (cold.replica.rank, cold.hit_tokens, cold.reason) == (1, 0, "least-loaded")
+    # a sliding-only layout (Mistral-like, W 12, blocks of 4): a replica that lost the prompt's first blocks
+    # still grants the hit, which only needs the last ceil(11/4) = 3 blocks before it
+    engine = make_engine("mistral", 200)
+    replica, pub = replica_of(0, engine)
+    engine.add_request("p", PROMPT, SamplingParams(max_tokens=1))
+    while engine.has_work():
+        engine.step()
+    req = Request("x", PROMPT)
+    for h in req.block_hashes(4)[:10]:           # evict blocks 0..9 by hand, as reuse would
+        for block in list(engine.manager.pool._cached[0].get(h, {}).values()):
+            engine.manager.pool._uncache(block)
+    pub.flush()
+    follow(replica.index, pub)
+    ask = PromptHashes(PROMPT + [0])
+    assert prefix_hit(replica, ask) == 60 == engine.manager.get_computed_blocks(Request("y", PROMPT + [0]))[1]
+
+
+def test_round_robin_and_least_loaded():
+    replicas = [Replica(r, f"e{r}", ready=True) for r in range(3)]
+    rr = RoundRobin()
+    assert [rr.choose(replicas, PromptHashes([1])).replica.rank for _ in range(4)] == [0, 1, 2, 0]
+    assert rr.choose([replicas[0], replicas[2]], PromptHashes([1])).replica.rank == 2   # 1 is not ready
+    ll = LeastLoaded()
+    replicas[0].running, replicas[1].waiting, replicas[2].in_flight = 2, 1, 3
+    assert ll.choose(replicas, PromptHashes([1])).replica.rank == 1
+    replicas[1].waiting = 2                       # 0 and 1 tie at 2: the ranks take turns
+    assert [ll.choose(replicas, PromptHashes([1])).replica.rank for _ in range(3)] == [0, 1, 0]
+
+
+def test_the_ray_prefix_tree_baseline_follows_text_prefixes():
+    replicas = [Replica(r, f"e{r}", ready=True) for r in range(3)]
+    tree = RayPrefixTree(seed=1)
+    first = tree.choose(replicas, PromptHashes(PROMPT))
+    assert first.reason == "tree-smallest"
+    other = tree.choose(replicas, PromptHashes([3] * 40))          # no match: a replica holding less text
+    assert other.reason == "tree-smallest" and other.replica is not first.replica
+    again = tree.choose(replicas, PromptHashes(PROMPT + [1, 2]))   # 60 of 62 characters match
+    assert (again.reason, again.replica) == ("tree-match", first.replica)
+    tree.replica_down(first.replica)
+    moved = tree.choose([r for r in replicas if r is not first.replica], PromptHashes(PROMPT + [1, 2]))
+    assert moved.replica is not first.replica
+
+
+def test_prompt_hashes_are_the_engines_own_and_travel_to_it():
+    prompt = [2, 1, 2, 3] * 9 + [3]               # 37 tokens
+    ph = PromptHashes(prompt)
+    assert ph.upto(4, 3) == Request("a", prompt).block_hashes(4)[:3]
+    assert ph.upto(4, 100) == Request("a", prompt).block_hashes(4)      # capped at the 9 full blocks
+    assert split_hashes(ph.for_engine()) == {4: Request("a", prompt).block_hashes(4)}
+    engine = make_engine("gpt-oss", 100)
+    engine.add_request("given", prompt, SamplingParams(max_tokens=1), block_hashes=split_hashes(ph.for_engine()))
+    assert engine.scheduler.sequences["given"].req.block_hashes(4) == Request("a", prompt).block_hashes(4)
+    with pytest.raises(ValueError, match="block_hashes must map block sizes"):
+        engine.add_request("bad", prompt, block_hashes={4: [b"x" * 31]})
+    assert "bad" not in engine.scheduler.sequences
+
+
+def test_unknown_router_names_are_refused():
+    assert [make_router(n).name for n in ("round-robin", "least-loaded", "prefix", "ray-prefix-tree")] == \
+        ["round-robin", "least-loaded", "prefix", "ray-prefix-tree"]
+    with pytest.raises(ValueError, match="router must be one of round-robin, least-loaded, prefix, ray-prefix-tree"):
+        make_router("random")
+    assert math.isinf(RayPrefixTree().imbalanced_threshold)        # Ray's default: load only breaks ties
