@@ -6,9 +6,9 @@ worker is lost. Pipeline stages run in order, each handing its hidden states to 
 from __future__ import annotations
 
 import os
+
 from workers.protocol import StepInput, StepOutput
 
-from .deltas import decode_output, decode_step, encode_output, encode_step
 from .engine import WorkerFailure
 
 
@@ -78,6 +78,7 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     def execute(self, payload: bytes, hidden=None):
+        from .deltas import decode_step, encode_output
         out = self.worker.execute(decode_step(payload), hidden)
         return encode_output(out) if isinstance(out, StepOutput) else out
 
@@ -217,6 +218,8 @@ class RayExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         import ray
+
+        from .deltas import decode_output, encode_step
         payload = encode_step(step)
         self.last_payload_bytes = len(payload) * len(self.actors)
         try:
