@@ -58,7 +58,8 @@ class DecodeGraphs:
         self.capture_enabled = capture
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.failures: dict[tuple[int, int], str] = {}
-        self.replays = 0
+        self.runs = 0                      # padded decode steps, replayed or (no graph) run eagerly
+        self.replays = 0                   # of which replayed from a graph
         self._pool = None
         self._generation = None
 
@@ -81,6 +82,7 @@ class DecodeGraphs:
 
     def replay(self, key: tuple[int, int], inputs) -> torch.Tensor:
         """Every row's logits for the packed (padded) step ``inputs``."""
+        self.runs += 1
         entry = self.graphs.get(key)
         if entry is not None and self._generation != self.generation():   # this step's packing moved the buffer
             self.graphs.clear()
