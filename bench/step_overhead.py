@@ -199,7 +199,8 @@ class LegacyPrep:
         for g, composed in compositions.items():
             self.composed[g].update(composed)
 
-    def batch(self, chunks):
+    def lists(self, chunks):
+        """The host part: per-request tensors and padded Python lists, each uploaded on its own."""
         import torch
         w, bs, dev = self.w, self.w.block_size, self.w.device
         query_lens = [len(c.token_ids) for c in chunks]
@@ -207,13 +208,20 @@ class LegacyPrep:
         positions = torch.cat([torch.arange(c.start_pos, end) for c, end in zip(chunks, seq_lens)]).to(dev)
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens)).to(dev)
         width = max(-(-n // bs) for n in seq_lens)
-        out = []
+        tables = []
         for g in range(len(w.groups)):
             rows = [self.tables[c.request_id][g][:-(-n // bs)] for c, n in zip(chunks, seq_lens)]
-            table = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32).to(dev)
+            tables.append(torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.int32).to(dev))
+        torch.tensor(seq_lens, dtype=torch.int32, device=dev), torch.tensor(query_lens, dtype=torch.int32, device=dev)
+        return positions, seq_of_token, tables
+
+    def gather(self, positions, seq_of_token, tables):
+        """The device part: the same gathers as the new worker's ``tables`` phase."""
+        w, bs = self.w, self.w.block_size
+        out = []
+        for g, table in enumerate(tables):
             table = w._members[g][table.long()].permute(2, 0, 1) if g in w._members else table[None]
             out.append(table[:, seq_of_token, positions // bs].long() * bs + positions % bs)
-        torch.tensor(seq_lens, dtype=torch.int32, device=dev), torch.tensor(query_lens, dtype=torch.int32, device=dev)
         return out
 
 
@@ -255,11 +263,13 @@ class PrepOnly:
         tables, legacy_compositions = self.legacy.check(step)
         self.legacy.apply(step, tables, legacy_compositions)
         t5 = clock()
-        self.legacy.batch(step.chunks)
-        _sync(w.device)
+        packed = self.legacy.lists(step.chunks)
         t6 = clock()
+        self.legacy.gather(*packed)
+        _sync(w.device)
+        t7 = clock()
         for name, dt in (("check", t1 - t0), ("mirrors", t2 - t1), ("pack", t3 - t2), ("tables", t4 - t3),
-                         ("legacy_check_mirrors", t5 - t4), ("legacy_tables", t6 - t5)):
+                         ("legacy_check_mirrors", t5 - t4), ("legacy_lists", t6 - t5), ("legacy_tables", t7 - t6)):
             self._add(name, dt)
         return StepOutput(step.step_id, {c.request_id: self.rng.randrange(1, w.vocab_size)
                                          for c in step.chunks if c.sample})
@@ -331,8 +341,8 @@ def run_worker_prep(num_requests: int, prompt_len: int, steps: int, device: str)
         assert len(plan.step.chunks) == num_requests
     r = {k: v / steps * 1e3 for k, v in prep.times.items()}
     r.update(schedule=sched / steps * 1e3, apply=appl / steps * 1e3)
-    r["worker"] = r["check"] + r["mirrors"] + r["pack"] + r["tables"]
-    r["legacy_worker"] = r["legacy_check_mirrors"] + r["legacy_tables"]
+    r["host"] = r["check"] + r["mirrors"] + r["pack"]
+    r["legacy_host"] = r["legacy_check_mirrors"] + r["legacy_lists"]
     return r
 
 
@@ -366,19 +376,25 @@ def run_worker_gpu(num_requests: int, prompt_len: int, steps: int, cuda_graphs: 
 
 def worker_main(args) -> None:
     import json
+
+    import torch
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     device = args.device
+    if device == "cpu":
+        torch.set_num_threads(1)     # the CPU stands in for the device: one thread keeps OpenMP wake-ups out
     print(f"\nreal worker, random Gemma-3-1B-shaped model ({'full widths' if device == 'cuda' else 'tiny widths'}, "
           f"26 layers, 5 sliding W=512 : 1 full), {device}: ms per decode step, prompt {args.prompt_len}, "
           f"block {BLOCK}, {args.steps} steps ({'wall' if device == 'cuda' else 'CPU'} time)")
-    cols = ("schedule", "check", "mirrors", "pack", "tables", "worker", "legacy_check_mirrors", "legacy_tables",
-            "legacy_worker", "apply")
-    print(f"{'running':>8}" + "".join(f"{c:>21}" for c in cols) + f"{'legacy/new':>12}")
+    cols = ("schedule", "check", "mirrors", "pack", "host", "legacy_check_mirrors", "legacy_lists", "legacy_host",
+            "tables", "legacy_tables", "apply")
+    print("host = check + mirrors + pack (the worker's Python side); tables = the device ops building unit tables "
+          "and slots (on CPU, computed by the CPU, one thread)")
+    print(f"{'running':>8}" + "".join(f"{c:>21}" for c in cols) + f"{'legacy/new host':>17}")
     rows = []
     for n in args.requests:
         r = run_worker_prep(n, args.prompt_len, args.steps, device)
         rows.append({"kind": "worker_prep", "device": device, "running": n, **r})
-        print(f"{n:>8}" + "".join(f"{r[c]:>21.3f}" for c in cols) + f"{r['legacy_worker'] / r['worker']:>12.1f}")
+        print(f"{n:>8}" + "".join(f"{r[c]:>21.3f}" for c in cols) + f"{r['legacy_host'] / r['host']:>17.1f}")
     if device == "cuda":
         print("\nwhole decode steps on the GPU, one at a time (ms per step, wall): launch = host time to queue "
               "the step, collect = waiting for its tokens, device = CUDA events around its work")

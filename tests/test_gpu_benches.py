@@ -56,4 +56,4 @@ def test_the_device_script_runs_dry_without_ray_or_msgpack_and_swakv_matches_tra
     kernel = [r for r in rows(out / "attention_gpu.jsonl") if "kind" in r]
     assert len(kernel) == 5 and all(r["triton_err"] < 1e-5 for r in kernel)
     worker = rows(out / "step_overhead.jsonl")
-    assert [r["running"] for r in worker] == [8] and worker[0]["worker"] > 0 and worker[0]["legacy_worker"] > 0
+    assert [r["running"] for r in worker] == [8] and worker[0]["host"] > 0 and worker[0]["legacy_host"] > 0

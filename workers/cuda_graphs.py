@@ -96,8 +96,9 @@ class DecodeGraphs:
 
     def capture(self, sizes=None, width: int = MIN_WIDTH) -> None:
         """Capture ahead of time, largest first (they share the memory pool)."""
-        for batch in sorted(sizes or self.sizes, reverse=True):
-            self.prepare((bucket_batch(batch, self.sizes), bucket_width(width)))
+        batches = {bucket_batch(b, self.sizes) for b in (sizes or self.sizes)} - {None}
+        for batch in sorted(batches, reverse=True):
+            self.prepare((batch, bucket_width(width)))
 
     def _capture(self, key: tuple[int, int]) -> None:
         batch, width = key

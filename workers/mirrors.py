@@ -24,7 +24,7 @@ from workers.protocol import RequestError, ScheduledChunk
 NULL_BLOCK_ID = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class ChunkUpdate:
     """What a checked chunk will change: its request's row (None: a new row) and new entries per group."""
 
@@ -61,6 +61,10 @@ class BlockTableMirrors:
         row = self.rows[rid] if known else None
         end = chunk.start_pos + len(chunk.token_ids)
         need = -(-end // bs)
+        if known:   # the common decode step: no new entry, nothing read that was not checked before
+            verified = self._checked[row]
+            if need <= min(verified) and not any(chunk.new_block_ids):
+                return ChunkUpdate(rid, row, chunk.new_block_ids, verified)
         checked = []
         for g, spec in enumerate(self.specs):
             new = chunk.new_block_ids[g]
@@ -123,7 +127,7 @@ class BlockTableMirrors:
                     cols.extend(range(lengths[g], lengths[g] + len(new)))
                     ids.extend(new)
                     lengths[g] += len(new)
-            self._checked[row] = u.checked
+            self._checked[row] = list(u.checked)
         for g, (rows, cols, ids) in enumerate(writes):
             if ids:
                 if max(cols) >= self.tables[g].shape[1]:

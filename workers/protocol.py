@@ -168,6 +168,8 @@ def find_request_error(exc: BaseException) -> RequestError | None:
 
 def ints_in(values: list, end: int) -> bool:
     """A non-empty list of ints (no bools) in [0, end), checked at C speed: this runs for every chunk."""
+    if len(values) == 1:   # a decode chunk's token, a decode step's new block
+        return type(values[0]) is int and 0 <= values[0] < end
     return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < end
 
 
@@ -226,6 +228,8 @@ def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, 
     ids = chunk.new_block_ids
     if not isinstance(ids, list) or len(ids) != num_groups or not all(isinstance(g, list) for g in ids):
         fail(f"request {rid!r}: new_block_ids must be {num_groups} lists, one per KV-cache group, got {ids!r}")
+    if not any(ids):
+        return   # the common decode step adds no block
     for g, group_ids in enumerate(ids):
         if group_ids and not ints_in(group_ids, num_blocks):
             bad = [b for b in group_ids if not is_int(b) or not 0 <= b < num_blocks]
