@@ -12,8 +12,9 @@
 #                                  last-W slice, the HBM bound and full causal SDPA (no FlexAttention: the
 #                                  anchor has it; masked baselines only where K/V fits 8 GB)
 #   2. bench/e2e_gpu.py           swakv's engine vs transformers' generate_batch and generate, 64 x 1024
-#                                  prompts, 128 new tokens, four swakv configurations, then 16, 256 and a
-#                                  shared prefix; float32 exactness check first
+#                                  prompts, 128 new tokens: four swakv configurations, a float32 exactness
+#                                  check, 16 and 256 sequences and a shared prefix (its own order and time
+#                                  budget: what does not fit is skipped, and says so)
 #   3. bench/step_overhead.py     the real worker's host time per decode step on the GPU (packing, launch
 #                                  eager or from graphs, waiting, device time)
 #   4. bench/attention_gpu.py     --sweep of kernel tile sizes at 32k, B = 32 and 128
@@ -52,8 +53,8 @@ if [ -n "$DRY" ]; then
     part attention_sweep 120 $PY bench/attention_gpu.py --dry-run --no-flex --batches 3 --contexts 128 \
         --prefill 0 --sweep --out "$OUT/attention_sweep.jsonl"
 else
-    part attention 65 $PY bench/attention_gpu.py --no-flex --max-contiguous-gb 8 --out "$OUT/attention_gpu.jsonl"
-    part e2e 140 $PY bench/e2e_gpu.py --time-budget 105 --out "$OUT/e2e_gpu.jsonl"
+    part attention 55 $PY bench/attention_gpu.py --no-flex --max-contiguous-gb 8 --out "$OUT/attention_gpu.jsonl"
+    part e2e 155 $PY bench/e2e_gpu.py --time-budget 120 --out "$OUT/e2e_gpu.jsonl"
     part step_overhead 40 $PY bench/step_overhead.py --worker --device cuda --requests 64 256 --prompt-len 1024 \
         --steps 16 --out "$OUT/step_overhead.jsonl"
     part attention_sweep 30 $PY bench/attention_gpu.py --no-flex --sweep --contexts 32768 --batches 32 128 \
