@@ -388,6 +388,8 @@ def prometheus_text(stats: dict) -> str:
 @serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIServer:
+    _eos_token_ids: tuple[int, ...] = ()   # the model's own EOS ids besides the tokenizer's; learned from the engine
+
     def __init__(self, engine_name: str, namespace: str, model_name: str, tokenizer_dir: str | None,
                  max_model_len: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         self.engine_name, self.namespace = engine_name, namespace
@@ -397,7 +399,6 @@ class OpenAIServer:
         self.created = int(time.time())
         self._engine = None
         self._vocab_size = self.tokenizer.vocab_size
-        self._eos_token_ids: tuple[int, ...] = ()
 
     # -- engine connection ------------------------------------------------------------------------
     async def _connect(self):
