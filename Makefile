@@ -31,6 +31,7 @@ loadtest: install
 bench: install
 	$(PY) bench/manager_overhead.py
 	$(PY) bench/step_overhead.py --churn
+	$(PY) bench/step_overhead.py --worker
 	$(PY) bench/fanout.py
 	$(PY) bench/sampling.py
 	$(PY) bench/retention.py --quiet

@@ -38,7 +38,7 @@ def _unpack_start(packed) -> RequestStart | None:
 
 def _chunk_fields(c) -> list:
     return [c.request_id, c.token_ids, c.start_pos, [_pack_ids(g) for g in c.new_block_ids], c.sample,
-            _pack_start(c.start)]
+            _pack_start(c.start), c.from_last_step]
 
 
 def encode_step(step: StepInput) -> bytes:
@@ -59,16 +59,18 @@ def encode_step(step: StepInput) -> bytes:
 def decode_step(payload: bytes) -> StepInput:
     step_id, chunks, forget, compositions = msgpack.unpackb(payload)
     return StepInput(step_id, [
-        ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first))
-        for rid, tokens, start, groups, sample, first in chunks], forget,
+        ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first),
+                       fed)
+        for rid, tokens, start, groups, sample, first, fed in chunks], forget,
         [(g, block_id, tuple(units)) for g, block_id, units in compositions])
 
 
 def encode_output(out: StepOutput) -> bytes:
-    return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s, out.logprobs, out.failed])
+    return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s, out.logprobs, out.failed,
+                          out.device_time_s])
 
 
 def decode_output(payload: bytes) -> StepOutput:
-    step_id, sampled, simulated_time_s, logprobs, failed = msgpack.unpackb(payload)
+    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s = msgpack.unpackb(payload)
     return StepOutput(step_id, sampled, simulated_time_s, {rid: tuple(entry) for rid, entry in logprobs.items()},
-                      failed)
+                      failed, device_time_s)

@@ -9,6 +9,18 @@ its tokens (prompt and what it generated so far): nothing is lost or answered tw
 the failed step then runs alone until a step of its own succeeds; one that fails ``max_request_faults``
 steps in a row is failed, so a request that breaks the workers without naming itself fails alone and
 cannot make them restart forever.
+
+Asynchronous scheduling (``EngineConfig.async_scheduling``, with an executor that can ``submit`` a step
+and ``collect`` it later): each ``step()`` schedules and launches step N+1 while step N runs on the
+device, then collects and applies step N. The scheduler's side is in ``scheduler.py`` (pending tokens,
+chunks fed on the device). What keeps it safe: the workers run steps in launch order on one device
+stream, so a block freed or dropped while step N still reads it can only be written by N+1 or later, a
+composite re-formed for N+1 is re-formed after N's reads, and the host buffers a launch fills are
+double-buffered. Faults: a step the workers refuse because of one request (``RequestError``, raised at
+launch, before anything changed) is launched again without that request, as in the synchronous loop;
+any other failure of a launch or a collect loses both steps on the device: their requests are blamed,
+the workers restart and everything running recomputes. While requests are under suspicion the engine
+runs one step at a time.
 """
 from __future__ import annotations
 
@@ -17,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
 
-from workers.protocol import find_request_error
+from workers.protocol import StepInput, find_request_error
 
 from .scheduler import SamplingParams, Scheduler, Sequence, SequenceUpdate, StepPlan
 
@@ -34,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_request_faults: int = 3            # unexplained step failures in a row before a request is failed
     vocab_size: int | None = None          # token ids must lie below it (checked before queueing)
+    async_scheduling: bool = False         # schedule step N+1 while step N runs (executors with ``submit``)
 
 
 @dataclass
@@ -44,6 +57,9 @@ class EngineMetrics:
     last_step_time_s: float = 0.0
     delta_bytes: int = 0
     simulated_time_s: float = 0.0                 # GPU time simulated workers report (0 for real ones)
+    device_time_s: float = 0.0                    # GPU time real workers on CUDA report (events)
+    host_time_s: float = 0.0                      # wall time in ``step()`` not spent waiting for results
+    wait_time_s: float = 0.0                      # wall time in ``step()`` waiting for the workers' results
     worker_restarts: int = 0
     recomputed_requests: int = 0
     finished: dict = field(default_factory=dict)   # finish reason -> count
@@ -60,6 +76,7 @@ class Engine:
                                       max_model_len=self.config.max_model_len, widths=group_widths)
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
+        self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
                     extra_keys: tuple = (), block_hashes: dict[int, list[bytes]] | None = None) -> None:
@@ -79,17 +96,36 @@ class Engine:
         return aborted
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[SequenceUpdate]:
-        """Run one step; return each request's new tokens and whether it finished."""
+        """Run one step; return each request's new tokens and whether it finished. With asynchronous
+        scheduling, the step applied is the one launched by the previous call (see the module doc)."""
+        t0 = time.perf_counter()
+        waited = self.metrics.wait_time_s
+        if self._overlapping():
+            updates = self._step_overlapped()
+        elif self._inflight is not None:          # back to one step at a time: finish the one in flight
+            plan, handle = self._inflight
+            self._inflight = None
+            updates = self._collect_and_apply(plan, handle, [])
+        else:
+            updates = self._step_sync()
+        self.metrics.host_time_s += time.perf_counter() - t0 - (self.metrics.wait_time_s - waited)
+        return updates
+
+    def _overlapping(self) -> bool:
+        return (self.config.async_scheduling and getattr(self.executor, "supports_async", False)
+                and not self.scheduler.isolating)
+
+    def _step_sync(self) -> list[SequenceUpdate]:
         plan = self.schedule()
         if plan is None:
             return []
         updates = []
         while True:
             try:
-                output = self.executor.execute(plan.step)
+                output = self._wait(self.executor.execute, plan.step)
             except Exception as exc:  # noqa: BLE001 - every failure is someone's: a request's, or the workers'
                 failed = self.isolate(plan, exc)
                 if failed is not None:
@@ -97,6 +133,60 @@ class Engine:
                     continue
                 return updates + self.recover(plan)
             return updates + self.apply(plan, output)
+
+    def _step_overlapped(self) -> list[SequenceUpdate]:
+        updates: list[SequenceUpdate] = []
+        if self._inflight is None:
+            plan = self.schedule()
+            if plan is None:
+                return []
+            self._inflight = self._launch(plan, updates)
+            if self._inflight is None:
+                return updates
+        current, handle = self._inflight
+        following = None
+        plan = self.schedule()                  # while the device runs the step in flight
+        if plan is not None:
+            following = self._launch(plan, updates, current)
+            if following is None and self._inflight is None:
+                return updates                  # the launch failed and the workers restarted
+        self._inflight = following
+        return self._collect_and_apply(current, handle, updates, following)
+
+    def _launch(self, plan: StepPlan, updates: list, inflight: StepPlan | None = None):
+        """Submit ``plan`` (again without any request the workers refuse); ``(plan, handle)``, or None after
+        a failure nobody can be blamed for (then the workers restarted and the step in flight is lost)."""
+        while True:
+            try:
+                handle = self.executor.submit(plan.step)
+            except Exception as exc:  # noqa: BLE001
+                failed = self.isolate(plan, exc)
+                if failed is not None:
+                    updates.append(failed)
+                    continue
+                self._inflight = None
+                updates += self.recover_steps([p for p in (inflight, plan) if p is not None])
+                return None
+            self.scheduler.launched(plan)
+            return plan, handle
+
+    def _collect_and_apply(self, plan: StepPlan, handle, updates: list, following=None) -> list[SequenceUpdate]:
+        try:
+            output = self._wait(self.executor.collect, handle)
+        except Exception:  # noqa: BLE001 - a step already launched cannot be retried alone: both are lost
+            self._inflight = None
+            return updates + self.recover_steps([plan] + ([following[0]] if following else []))
+        return updates + self.apply(plan, output)
+
+    def _wait(self, call, arg):
+        """``call(arg)``, counting as waiting what the executor says it waited (else the whole call)."""
+        t0 = time.perf_counter()
+        try:
+            return call(arg)
+        finally:
+            spent = time.perf_counter() - t0
+            waited = getattr(self.executor, "last_wait_s", None)
+            self.metrics.wait_time_s += spent if waited is None else min(waited, spent)
 
     # The phases, for callers that run ``executor.execute`` off their event loop: ``schedule``, ``apply``,
     # ``isolate``, ``blame`` and ``after_restart`` mutate state and must not overlap ``add_request`` /
@@ -110,6 +200,8 @@ class Engine:
 
     def apply(self, plan: StepPlan, output) -> list[SequenceUpdate]:
         dt = time.perf_counter() - plan.started
+        if not plan.launched:
+            self.scheduler.launched(plan)
         updates = self.scheduler.update(plan, output)
         m = self.metrics
         m.steps += 1
@@ -118,6 +210,7 @@ class Engine:
         m.last_step_time_s = dt
         m.delta_bytes += getattr(self.executor, "last_payload_bytes", 0)
         m.simulated_time_s += output.simulated_time_s
+        m.device_time_s += getattr(output, "device_time_s", 0.0)
         self._count(updates)
         return updates
 
@@ -141,7 +234,13 @@ class Engine:
     def recover(self, plan: StepPlan | None = None) -> list[SequenceUpdate]:
         """After a failed step nobody can be blamed for: restart the workers; running requests recompute
         from their tokens. Raises what ``executor.restart`` raises when no worker can be started."""
-        updates = self.blame(plan) if plan is not None else []
+        return self.recover_steps([plan] if plan is not None else [])
+
+    def recover_steps(self, plans: list[StepPlan]) -> list[SequenceUpdate]:
+        """``recover`` after losing several launched steps: each request among them is blamed once."""
+        scheduled = list({id(seq): seq for p in plans for seq in p.scheduled}.values())
+        updates = self.blame(StepPlan(StepInput(-1, []), scheduled)) if scheduled else []
+        self._inflight = None
         self.executor.restart()
         self.after_restart()
         return updates
@@ -152,6 +251,7 @@ class Engine:
 
     def fail_all(self, message: str) -> list[SequenceUpdate]:
         """Finish every request with reason "error" (no workers, shutting down)."""
+        self._inflight = None
         updates = []
         for rid in list(self.scheduler.sequences):
             self.scheduler.fail(rid, "error", message)
@@ -184,6 +284,9 @@ class Engine:
             "last_step_time_s": m.last_step_time_s,
             "delta_bytes": m.delta_bytes,
             "simulated_time_s": m.simulated_time_s,
+            "device_time_s": m.device_time_s,
+            "host_time_s": m.host_time_s,
+            "wait_time_s": m.wait_time_s,
             "worker_restarts": m.worker_restarts,
             "recomputed_requests": m.recomputed_requests,
             "finished": dict(m.finished),

@@ -1,14 +1,17 @@
 """Executors run one engine step on the workers: in this process, or on Ray worker actors.
 
 Both offer ``execute(StepInput) -> StepOutput`` and ``restart()``, and raise ``WorkerFailure`` when a
-worker is lost. Pipeline stages run in order, each handing its hidden states to the next.
+worker is lost. Pipeline stages run in order, each handing its hidden states to the next. The local one
+also splits a step in two (``submit`` queues it on the device, ``collect`` waits for its results), which
+asynchronous scheduling needs; ``last_wait_s`` tells how long its last ``execute``/``collect`` waited for
+the device.
 """
 from __future__ import annotations
 
 import os
+
 from workers.protocol import StepInput, StepOutput
 
-from .deltas import decode_output, decode_step, encode_output, encode_step
 from .engine import WorkerFailure
 
 
@@ -28,10 +31,32 @@ class LocalExecutor:
     def __init__(self, stage_kwargs: list[dict]):
         self.stage_kwargs = stage_kwargs
         self.workers = [make_worker(kw) for kw in stage_kwargs]
+        self.last_wait_s = 0.0
+
+    @property
+    def supports_async(self) -> bool:
+        """Real workers can take a step whose inputs are the previous step's draws, still on the device."""
+        return all(hasattr(w, "launch") for w in self.workers)
 
     def execute(self, step: StepInput) -> StepOutput:
-        from workers.worker import execute_pipeline
-        return execute_pipeline(self.workers, step)
+        return self.collect(self.submit(step))
+
+    def submit(self, step: StepInput):
+        """Queue the step on every stage (checked on all of them first); a handle for ``collect``."""
+        from workers.worker import launch_pipeline
+        self.last_wait_s = 0.0
+        return launch_pipeline(self.workers, step)
+
+    def collect(self, handle) -> StepOutput:
+        import time
+
+        from workers.worker import PendingStep
+        if not isinstance(handle, PendingStep):
+            return handle                      # simulated workers answered at once
+        t0 = time.perf_counter()
+        out = self.workers[-1].collect(handle)
+        self.last_wait_s = time.perf_counter() - t0
+        return out
 
     def restart(self) -> None:
         self.workers = [make_worker(kw) for kw in self.stage_kwargs]
@@ -78,6 +103,7 @@ class WorkerActor:
         return ray.get_runtime_context().get_node_id()
 
     def execute(self, payload: bytes, hidden=None):
+        from .deltas import decode_step, encode_output
         out = self.worker.execute(decode_step(payload), hidden)
         return encode_output(out) if isinstance(out, StepOutput) else out
 
@@ -252,6 +278,8 @@ class RayExecutor:
 
     def execute(self, step: StepInput) -> StepOutput:
         import ray
+
+        from .deltas import decode_output, encode_step
         payload = encode_step(step)
         self.last_payload_bytes = len(payload) * len(self.actors)
         try:

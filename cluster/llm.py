@@ -35,8 +35,8 @@ def eos_token_ids(model: str, config) -> tuple[int, ...]:
     """The ids generation stops at, as transformers' ``generate`` reads them: ``generation_config.json``'s
     ``eos_token_id`` when the model directory has one, else the config's (an int or a list)."""
     ids = None
-    path = os.path.join(model, "generation_config.json")
-    if os.path.isfile(path):
+    path = os.path.join(model, "generation_config.json") if model else ""
+    if path and os.path.isfile(path):
         with open(path) as f:
             ids = json.load(f).get("eos_token_id")
     if ids is None:
@@ -52,7 +52,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
                  seed: int = 0, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
                  spread_stages: bool = False,
                  simulated_gpu: str | None = None, sleep_factor: float = 0.0, sliding_as_full: bool = False,
-                 replica_set: str | None = None):
+                 replica_set: str | None = None, async_scheduling: bool = False, cuda_graphs: bool = False):
     """Check the layout, size the pool, start the workers; return (Engine, model info).
 
     ``simulated_gpu`` (e.g. "H100-80GB") runs simulated workers for a preset or config.json ``model``,
@@ -60,6 +60,9 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
     without window-aware memory do (the comparison baseline); attention still reads only the window.
     ``replica_set``: the engine-name prefix of a data-parallel deployment, whose replicas' workers are
     kept on different nodes when the cluster has them (Ray executor only).
+    ``async_scheduling``: schedule a step while the previous one runs (in-process workers; see
+    ``engine.py``). ``cuda_graphs``: workers replay decode-only steps from CUDA graphs. ``model`` may also
+    be a loaded transformers model (one stage, in this process: the benches use that).
     Bad layouts (stages with different layer-kind mixes, sizes that do not
     divide heads or layers) are refused here, before any worker loads weights.
     """
@@ -80,8 +83,12 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         per_stage = [dict(pipeline_stage=i) for i in range(pp)]
     else:
         from workers.layer_kinds import check_parallel_sizes, layer_specs
-        model = resolve_model(model)
-        config = model_config(model)
+        instance = not isinstance(model, (str, os.PathLike, type(None))) and hasattr(model, "config")
+        if instance and (pp != 1 or tp != 1 or use_ray):
+            raise ValueError("a loaded model runs as one stage in this process: pass a model directory to split it "
+                             "or to run it on Ray workers")
+        model = model if instance else resolve_model(model)
+        config = model.config.get_text_config() if instance else model_config(model)
         check_parallel_sizes(config, tp, pp)
         if tp != 1 and not use_ray:
             raise ValueError("tensor_parallel_size > 1 runs one worker process per rank: use Ray workers "
@@ -89,9 +96,9 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
         specs = layer_specs(config, block_size)
         limit = getattr(config, "max_position_embeddings", None) or 4096
         vocab_size = config.vocab_size
-        eos = eos_token_ids(model, config)
+        eos = eos_token_ids("" if instance else model, config)
         default_memory = DEFAULT_KV_CACHE_MEMORY
-        common = dict(model=model, seed=seed, device=device)
+        common = dict(model=model, seed=seed, device=device, cuda_graphs=cuda_graphs)
         bounds, start = [], 0
         for names in split_stages(list(specs), pp):
             bounds.append((start, start + len(names)))
@@ -121,9 +128,11 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
     engine = Engine(executor, layout.group_specs, num_blocks,
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-                                 vocab_size=vocab_size), group_widths=layout.group_widths)
-    info = {"model": os.path.basename(model.rstrip("/")) if os.path.isdir(model) else model,
-            "model_path": model, "max_model_len": max_model_len, "num_blocks": num_blocks,
+                                 vocab_size=vocab_size, async_scheduling=async_scheduling),
+                    group_widths=layout.group_widths)
+    name = model if isinstance(model, str) else type(model).__name__
+    info = {"model": os.path.basename(name.rstrip("/")) if os.path.isdir(name) else name,
+            "model_path": name, "max_model_len": max_model_len, "num_blocks": num_blocks,
             "num_groups": len(layout.group_specs), "group_widths": list(layout.group_widths),
             "block_size": block_size, "simulated_gpu": simulated_gpu,
             "vocab_size": vocab_size, "eos_token_ids": list(eos),

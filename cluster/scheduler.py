@@ -13,6 +13,16 @@ step; preempted requests wait at the head of the queue in their admission order,
 the oldest. Hence all requests accepted by step ``t`` finish by step ``t + sum(prompt + max_tokens)``
 (when no step fails; after a failure nobody can be blamed for, its requests run one per step until each
 has a step of its own succeed or has failed three in a row).
+
+A step is committed when the workers accept it (``launched``): computed counts advance then, and each
+sampling chunk leaves its request one ``pending`` token, drawn on the device but not yet known here. With
+asynchronous scheduling the engine schedules step N+1 before step N's tokens arrive: a request with a
+pending token computes exactly that token next, as a chunk marked ``from_last_step`` (the workers take
+the token from step N's draws); a request whose pending token is sure to end it (``max_tokens``, the
+context) is left out. Its blocks for that position are allocated before the token is known, which the
+manager allows (it caches only blocks full of known tokens). ``update`` then appends the tokens: also to
+a request preempted meanwhile (its token is as valid as if it had arrived first), and a request that
+stopped on a token ends although its next chunk is already running: that chunk's result is dropped.
 """
 from __future__ import annotations
 
@@ -69,6 +79,7 @@ class Sequence:
     num_faults: int = 0                   # unexplained step failures in a row while it was scheduled
     on_workers: bool = False              # its sampling spec was sent (and not forgotten since)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
+    pending: int = 0                      # tokens a launched step draws for it that ``update`` has not appended
 
     @property
     def request_id(self) -> str:
@@ -93,6 +104,7 @@ class StepPlan:
     num_tokens: int = 0
     preempted: int = 0
     started: float = 0.0
+    launched: bool = False                # the workers accepted it (``Scheduler.launched``)
 
 
 def blocks_to_finish(specs, num_tokens: int, widths=None) -> int:
@@ -194,12 +206,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             req = seq.req
-            n, new = self._fit_running(seq, min(req.num_tokens - req.num_computed_tokens, budget), plan)
+            i += 1
+            if seq.pending and self._ends_with_pending(seq):
+                continue   # the token in flight is its last: nothing more to compute
+            n, new = self._fit_running(seq, min(req.num_tokens + seq.pending - req.num_computed_tokens, budget), plan)
             if new is None:
                 break  # seq preempted itself; everything after it is gone too
             self._add_chunk(plan, seq, req.num_computed_tokens, n, new)
             budget -= n
-            i += 1
 
         while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.max_num_seqs:
             n = self._admit(self.waiting[0], budget, plan, preempt=False)
@@ -263,6 +277,11 @@ class Scheduler:
             if victim is seq:
                 return 0, None
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        req = seq.req
+        return (len(req.output_token_ids) + seq.pending >= seq.params.max_tokens
+                or req.num_tokens + seq.pending >= self.manager.max_model_len)
+
     def _add_chunk(self, plan: StepPlan, seq: Sequence, start: int, n: int, new_block_ids) -> None:
         req = seq.req
         first = None
@@ -273,25 +292,38 @@ class Scheduler:
             seen = req.all_token_ids[seen_from:start] if spec.has_penalties else []
             first = RequestStart(spec, num_prompt, seen)
             seq.on_workers = True
+        fed = start + n > req.num_tokens   # the token a launched step is drawing (n == 1: see module doc)
         plan.step.chunks.append(ScheduledChunk(
-            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n], start_pos=start,
-            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens, start=first))
+            request_id=req.request_id, token_ids=[0] if fed else req.all_token_ids[start:start + n], start_pos=start,
+            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens + seq.pending, start=first,
+            from_last_step=fed))
         plan.scheduled.append(seq)
 
+    def launched(self, plan: StepPlan) -> None:
+        """The workers accepted the step: its requests' mirrors exist, their computed counts advance, and
+        each sampling chunk leaves a pending token until ``update``."""
+        plan.launched = True
+        for chunk, seq in zip(plan.step.chunks, plan.scheduled):
+            self._on_workers.add(chunk.request_id)   # its mirror now exists, even if it finished meanwhile
+            if seq.status != "running":
+                continue  # aborted before the launch (its mirror is in _forget)
+            seq.req.num_computed_tokens += len(chunk.token_ids)
+            seq.pending += chunk.sample
+
     def update(self, plan: StepPlan, output: StepOutput) -> list[SequenceUpdate]:
-        """Apply a step's results: advance computed counts, append sampled tokens, finish sequences.
+        """Apply a launched step's results: append sampled tokens, finish sequences.
 
         A request the workers could not sample for (``output.failed``) finishes with reason "error"."""
         updates = []
         failed = output.failed
         for chunk, seq in zip(plan.step.chunks, plan.scheduled):
-            self._on_workers.add(chunk.request_id)   # its mirror now exists, even if it finished meanwhile
-            if seq.status != "running":
-                continue  # aborted while the step ran (its mirror is in _forget)
+            if seq.status == "finished":
+                continue  # aborted or stopped while the step ran (its mirror is in _forget)
             seq.num_faults = 0
             self._suspects.discard(seq.request_id)
             req = seq.req
-            req.num_computed_tokens += len(chunk.token_ids)
+            if chunk.sample:
+                seq.pending -= 1
             if failed and seq.request_id in failed:
                 self.fail(seq.request_id, "error", failed[seq.request_id])
                 updates.append(SequenceUpdate(seq.request_id, [], True, "error", error=seq.error))
@@ -341,11 +373,19 @@ class Scheduler:
                 updates.append(SequenceUpdate(seq.request_id, [], True, "error", error=message))
         return updates
 
+    @property
+    def isolating(self) -> bool:
+        """Requests of a step that failed with nobody to blame are running one at a time."""
+        return bool(self._suspects)
+
     def recompute_all(self) -> int:
-        """Workers lost their KV (a fault): every running request starts over; nothing is lost."""
+        """Workers lost their KV (a fault): every running request starts over; nothing is lost. Tokens a
+        lost step was drawing never arrive: they are recomputed too."""
         victims = list(self.running)
         for seq in reversed(victims):
             self._preempt(seq)
+        for seq in self.sequences.values():
+            seq.pending = 0
         self._forget = []  # the new workers have no mirrors to drop, and know no composite
         self._on_workers.clear()
         if not self.manager.reset_prefix_cache():     # cached hashes would name KV the new workers lack

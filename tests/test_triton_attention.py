@@ -116,8 +116,9 @@ from workers import triton_attention as ta
 
 def compile(fn, types, constexprs):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 2})
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "num_stages": 2})
+    assert kernel.metadata.shared <= 232448, kernel.metadata.shared   # sm_90's shared memory per block
 
 ints = {n: "i32" for n in ta._paged_attention_kernel.arg_names if n.startswith("stride") or n in
         ("num_seqs", "window", "chunk_size")}
@@ -128,6 +129,13 @@ for decode, splits in ((True, 16), (False, 1)):
         HEAD=128, HEAD_PAD=128, PAGE=16, GROUP=4, BLOCK_Q=1 if decode else 16, BLOCK_M=16 if decode else 64,
         BLOCK_N=64, NUM_SPLITS=splits, IS_DECODE=decode, HAS_WINDOW=True, HAS_CHUNK=not decode,
         HAS_SOFTCAP=not decode, DOT_PRECISION="tf32"))
+# bench/e2e_gpu.py's model: head 256, 4 query heads per KV head; bf16, and float32 for its exactness check
+for dt, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    for decode, splits in ((True, 4), (False, 1)):
+        compile(ta._paged_attention_kernel, dict(types, q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}"), dict(
+            HEAD=256, HEAD_PAD=256, PAGE=16, GROUP=4, BLOCK_Q=1 if decode else 16, BLOCK_M=16 if decode else 64,
+            BLOCK_N=32, NUM_SPLITS=splits, IS_DECODE=decode, HAS_WINDOW=True, HAS_CHUNK=False,
+            HAS_SOFTCAP=False, DOT_PRECISION=precision))
 types = {n: "i32" for n in ta._combine_splits_kernel.arg_names if n.startswith("stride")}
 types.update(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16")
 compile(ta._combine_splits_kernel, types, dict(HEAD=128, HEAD_PAD=128, NUM_SPLITS=16, SPLITS_PAD=16))
@@ -136,7 +144,8 @@ print("compiled")
 
 
 def test_kernels_compile_for_hopper():
-    """The interpreter is laxer than the compiler: build both kernels for sm_90 (bf16, head 128) offline."""
+    """The interpreter is laxer than the compiler: build both kernels for sm_90 offline (bf16, head 128; and the
+    end-to-end bench's head 256 in bf16 and float32), within sm_90's shared memory."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

@@ -82,8 +82,11 @@ def select_backend(q: torch.Tensor, backend: str | None = None) -> str:
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write this step's K/V: token ``i`` goes to slot ``slot_mapping[i] = block_id * block_size + offset``."""
+             slot_mapping: torch.Tensor, *, null_ok: bool = False) -> None:
+    """Write this step's K/V: token ``i`` goes to slot ``slot_mapping[i] = block_id * block_size + offset``.
+
+    ``null_ok``: slots in the null block are allowed; the padding rows of a captured decode batch write
+    their (never read) K/V there. Otherwise a slot there is a table bug and is refused (on CPU)."""
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache/v_cache: expected two equal [num_blocks, block_size, num_kv_heads, head_size] "
                          f"shapes, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -102,7 +105,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     if not slot_mapping.is_cuda and slot_mapping.numel():
         # On CUDA a range check would cost a device sync per layer; torch's indexing asserts instead.
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < block_size or hi >= num_blocks * block_size:
+        if lo < (0 if null_ok else block_size) or hi >= num_blocks * block_size:
             raise ValueError(f"slot_mapping: slots must lie in [{block_size}, {num_blocks * block_size}) "
                              f"(block 0 is the null block), got {lo}..{hi}")
     slots = slot_mapping.long()

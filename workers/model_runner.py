@@ -50,7 +50,8 @@ class StepBatch:
     query_lens: torch.Tensor           # [num_seqs] int32, new tokens this step
     block_tables: list[torch.Tensor]   # per group [width, num_seqs, max_blocks] int32: unit ids per member
     slot_mappings: list[torch.Tensor]  # per group [width, num_tokens] int64
-    logits_indices: torch.Tensor       # [k] int64: rows of the packed batch whose logits are wanted
+    logits_indices: torch.Tensor | None   # [k] int64: rows of the packed batch whose logits are wanted; None: all
+    padded: bool = False               # padding rows (a captured decode batch) write into the null block
 
 
 def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,7 +74,8 @@ def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                            f"{window}; the config and the model class disagree")
     k_cache, v_cache = kv.caches[layer]
     group, member = kv.groups[layer], kv.members[layer]
-    store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mappings[group][member])
+    store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mappings[group][member],
+             null_ok=batch.padded)
     out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.block_tables[group][member],
                           batch.seq_lens, batch.query_lens, window=window, scale=scaling, softcap=softcap,
                           chunk_size=spec.chunk_size if isinstance(spec, ChunkedLocalAttention) else None)
@@ -161,7 +163,8 @@ class StageModel:
             inputs = {"inputs_embeds": hidden_states[None]}
         common = {"position_ids": batch.positions[None], "use_cache": False, "swakv": (kv, batch)}
         if self.is_last:
-            return self.model(**inputs, **common, logits_to_keep=batch.logits_indices).logits[0]
+            keep = 0 if batch.logits_indices is None else batch.logits_indices   # 0: every row
+            return self.model(**inputs, **common, logits_to_keep=keep).logits[0]
         return self.model.model(**inputs, **common).last_hidden_state[0]
 
 

@@ -115,6 +115,9 @@ class ScheduledChunk:
     new_block_ids: list[list[int]]       # per KV-cache group: ids appended to the request's table (0 = null)
     sample: bool = True                  # this chunk reaches the last known token: produce the next one
     start: RequestStart | None = None    # the request's first chunk on the workers only (module doc)
+    # Asynchronous scheduling: the chunk's one token is the one the workers' previous step drew for this
+    # request, not yet known to the engine; ``token_ids`` holds a placeholder (0) the worker replaces.
+    from_last_step: bool = False
 
 
 @dataclass
@@ -135,6 +138,7 @@ class StepOutput:
     # request_id -> (raw logprob of the sampled token, top token ids, their raw logprobs), if it asked
     logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)   # request_id -> why its row could not be sampled
+    device_time_s: float = 0.0           # real workers on CUDA: the step's span on the device (events)
 
 
 class RequestError(ValueError):
@@ -164,6 +168,8 @@ def find_request_error(exc: BaseException) -> RequestError | None:
 
 def ints_in(values: list, end: int) -> bool:
     """A non-empty list of ints (no bools) in [0, end), checked at C speed: this runs for every chunk."""
+    if len(values) == 1:   # a decode chunk's token, a decode step's new block
+        return type(values[0]) is int and 0 <= values[0] < end
     return set(map(type, values)) == {int} and min(values) >= 0 and max(values) < end
 
 
@@ -203,6 +209,8 @@ def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, 
         fail(f"request {rid!r}: token_ids must be integers in [0, {vocab_size})")
     if not is_int(chunk.start_pos) or chunk.start_pos < 0:
         fail(f"request {rid!r}: start_pos must be an integer >= 0, got {chunk.start_pos!r}")
+    if chunk.from_last_step is not False and (chunk.from_last_step is not True or len(chunk.token_ids) != 1):
+        fail(f"request {rid!r}: from_last_step must be a bool, and a chunk fed by the last step holds one token")
     start = chunk.start
     if start is not None:
         if not isinstance(start, RequestStart) or not isinstance(start.sampling, SamplingSpec):
@@ -220,6 +228,8 @@ def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, 
     ids = chunk.new_block_ids
     if not isinstance(ids, list) or len(ids) != num_groups or not all(isinstance(g, list) for g in ids):
         fail(f"request {rid!r}: new_block_ids must be {num_groups} lists, one per KV-cache group, got {ids!r}")
+    if not any(ids):
+        return   # the common decode step adds no block
     for g, group_ids in enumerate(ids):
         if group_ids and not ints_in(group_ids, num_blocks):
             bad = [b for b in group_ids if not is_int(b) or not 0 <= b < num_blocks]

@@ -19,6 +19,12 @@ without one share the worker's batch generator (one call for all of them).
 
 Penalty state lives here too: per request with penalties, one row of a pooled [rows, vocab] table of
 output counts and one of prompt presence, updated from each step's chunk tokens by one scatter.
+
+Nothing here waits on the device until the step's results are read: small host lists reach a CUDA device
+through pinned memory without blocking (a plain upload would first wait for the whole forward), and
+``sample_async`` leaves the draws on the device, with their copies to pinned host memory queued behind
+them (``Sampled``). So a worker can queue step N+1 before reading step N's tokens, and feed step N's
+tokens, still on the device, into step N+1's inputs.
 """
 from __future__ import annotations
 
@@ -59,34 +65,51 @@ class Sampler:
             self.prompt_seen[row] = False
             self._free_rows.append(row)
 
-    def observe(self, chunks: list[ScheduledChunk]) -> None:
-        """Take in a (checked) step: new requests' specs, then every penalised request's new tokens."""
-        prompt_rows, prompt_ids, output_rows, output_ids = [], [], [], []
+    def observe(self, chunks: list[ScheduledChunk], packed_ids: torch.Tensor | None = None) -> None:
+        """Take in a (checked) step: new requests' specs, then every penalised request's new tokens.
+
+        ``packed_ids``: the step's input ids on the device, chunks concatenated in order. When given, the
+        penalties count those (a chunk fed by the previous step's draw holds only a placeholder on the
+        host); otherwise the chunks' ``token_ids``. Tokens are prompt below the request's prompt length."""
+        host = ([], [], [], [])       # prompt rows, prompt ids, output rows, output ids (ids known here)
+        packed = ([], [], [], [])     # the same, with positions in packed_ids instead of ids
+        offset = 0
         for chunk in chunks:
-            rid = chunk.request_id
-            tokens, first = chunk.token_ids, chunk.start_pos
+            rid, n = chunk.request_id, len(chunk.token_ids)
+            offset += n
+            seen = []
             if chunk.start is not None:
                 spec = chunk.start.sampling
                 self.specs[rid] = spec
                 self.num_prompt_tokens[rid] = chunk.start.num_prompt_tokens
                 if spec.has_penalties:
                     self.rows[rid] = self._new_row()
-                    tokens = chunk.start.seen_token_ids + tokens
-                    first -= len(chunk.start.seen_token_ids)
+                    seen = chunk.start.seen_token_ids
             row = self.rows.get(rid)
             if row is None:
                 continue
-            split = min(max(self.num_prompt_tokens[rid] - first, 0), len(tokens))
-            prompt_rows += [row] * split
-            prompt_ids += tokens[:split]
-            output_rows += [row] * (len(tokens) - split)
-            output_ids += tokens[split:]
-        if prompt_ids:
-            self.prompt_seen[self._long(prompt_rows), self._long(prompt_ids)] = True
-        if output_ids:
-            self.output_counts.index_put_((self._long(output_rows), self._long(output_ids)),
-                                          torch.ones(len(output_ids), dtype=torch.int32, device=self.device),
-                                          accumulate=True)
+            # The run seen + own tokens starts at position start_pos - len(seen); its first `split` are prompt.
+            split = min(max(self.num_prompt_tokens[rid] - (chunk.start_pos - len(seen)), 0), len(seen) + n)
+            own = chunk.token_ids if packed_ids is None else range(offset - n, offset)
+            for target, values, cut in ((host, seen, min(split, len(seen))),
+                                        (host if packed_ids is None else packed, own, max(split - len(seen), 0))):
+                target[0].extend([row] * min(cut, len(values)))
+                target[1].extend(values[:cut])
+                target[2].extend([row] * (len(values) - min(cut, len(values))))
+                target[3].extend(values[cut:])
+        for seen_table, rows, ids, at_rows, at in ((self.prompt_seen, host[0], host[1], packed[0], packed[1]),
+                                                   (self.output_counts, host[2], host[3], packed[2], packed[3])):
+            if not ids and not at:
+                continue
+            rows_t = self._long(rows + at_rows)
+            ids_t = self._long(ids)
+            if at:
+                ids_t = torch.cat([ids_t, packed_ids[self._long(at)].long()])
+            if seen_table is self.prompt_seen:
+                self.prompt_seen[rows_t, ids_t] = True
+            else:
+                self.output_counts.index_put_((rows_t, ids_t), torch.ones_like(rows_t, dtype=torch.int32),
+                                              accumulate=True)
 
     def _new_row(self) -> int:
         if not self._free_rows:
@@ -97,40 +120,56 @@ class Sampler:
             self._free_rows = list(range(n + grow - 1, n - 1, -1))
         return self._free_rows.pop()
 
-    def _long(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+    def _long(self, values) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
-    def _float(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=self.device)
+    def _float(self, values) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.float32), self.device)
 
     # -- the batched pass ----------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]):
         """Next token of each sampling chunk (rows of ``logits`` in order; -1 for a row holding NaN, whose
         request must fail) and, per request that asked, (raw logprob of its token, top token ids, their raw
-        logprobs)."""
+        logprobs). Waits for the device: ``sample_async`` does not."""
+        return self.sample_async(logits, chunks).result()
+
+    def sample_async(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> "Sampled":
+        """The draws of ``sample``, left on the device with their copies to the host queued (no sync)."""
         if not chunks:
-            return [], {}
+            return Sampled([], None, {}, [])
         specs = [self.specs.get(c.request_id, GREEDY) for c in chunks]
         logits = logits.float()
         broken = logits.isnan().any(dim=-1)   # a row the model broke: its request fails (token -1)
         asked = [i for i, s in enumerate(specs) if s.logprobs is not None]
-        raw = torch.log_softmax(logits[asked], dim=-1) if asked else None
+        asked_t = self._long(asked) if asked and len(asked) < len(specs) else None
+        raw = None
+        if asked:
+            raw = torch.log_softmax(logits if asked_t is None else logits[asked_t], dim=-1)
         x = self.adjusted_logits(logits, chunks, specs)
-        greedy = [i for i, s in enumerate(specs) if s.greedy]
         drawn = [i for i, s in enumerate(specs) if not s.greedy]
         if not drawn:
             tokens = x.argmax(dim=-1)
+        elif len(drawn) == len(specs):
+            probs = self.probabilities(x, specs)
+            broken |= probs.isnan().any(dim=-1)   # e.g. +inf logits: no distribution to draw from
+            tokens = self.draw(probs, chunks, specs)
         else:
+            greedy_t = self._long([i for i, s in enumerate(specs) if s.greedy])
+            drawn_t = self._long(drawn)
             tokens = torch.empty(len(specs), dtype=torch.long, device=x.device)
-        if greedy and drawn:
-            tokens[greedy] = x[greedy].argmax(dim=-1)
-        if drawn:
-            probs = self.probabilities(x if len(drawn) == len(specs) else x[drawn], [specs[i] for i in drawn])
-            broken[drawn] |= probs.isnan().any(dim=-1)   # e.g. +inf logits: no distribution to draw from
-            tokens[drawn] = self.draw(probs, [chunks[i] for i in drawn], [specs[i] for i in drawn])
-        token_list = torch.where(broken, -1, tokens).tolist()   # one device sync for both
-        return token_list, (self._logprobs(raw, tokens[asked], [specs[i] for i in asked],
-                                           [chunks[i].request_id for i in asked]) if asked else {})
+            tokens[greedy_t] = x[greedy_t].argmax(dim=-1)
+            probs = self.probabilities(x[drawn_t], [specs[i] for i in drawn])
+            broken[drawn_t] |= probs.isnan().any(dim=-1)
+            tokens[drawn_t] = self.draw(probs, [chunks[i] for i in drawn], [specs[i] for i in drawn])
+        results = {"tokens": torch.where(broken, -1, tokens)}
+        if asked:
+            chosen_tokens = tokens if asked_t is None else tokens[asked_t]
+            results["chosen"] = raw.gather(1, chosen_tokens[:, None])[:, 0]
+            k = max(specs[i].logprobs for i in asked)
+            if k:
+                results["top_values"], results["top_ids"] = raw.topk(k, dim=-1)
+        logprob_asks = [(chunks[i].request_id, specs[i].logprobs) for i in asked]
+        return Sampled([c.request_id for c in chunks], tokens, results, logprob_asks)
 
     def adjusted_logits(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                         specs: list[SamplingSpec]) -> torch.Tensor:
@@ -184,8 +223,10 @@ class Sampler:
         """One token per row, drawn from its distribution with a single uniform number."""
         u = torch.empty(len(specs), 1, device=probs.device)
         unseeded = [i for i, s in enumerate(specs) if s.seed is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), 1, generator=self.generator, device=probs.device)
+        if len(unseeded) == len(specs):
+            u = torch.rand(len(specs), 1, generator=self.generator, device=probs.device)
+        elif unseeded:
+            u[self._long(unseeded)] = torch.rand(len(unseeded), 1, generator=self.generator, device=probs.device)
         for i, spec in enumerate(specs):
             if spec.seed is not None:
                 c = chunks[i]
@@ -197,11 +238,51 @@ class Sampler:
         point = (1.0 - u.double()) * cdf[:, -1:]
         return torch.searchsorted(cdf, point)[:, 0].clamp_(max=probs.shape[1] - 1)
 
-    @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, specs: list[SamplingSpec], request_ids: list[str]):
-        chosen = raw.gather(1, tokens[:, None])[:, 0].tolist()
-        k = max(s.logprobs for s in specs)
-        top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-        return {rid: (chosen[j], top_ids[j][:s.logprobs], top_values[j][:s.logprobs])
-                for j, (rid, s) in enumerate(zip(request_ids, specs))}
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (on the host) on ``device``; to CUDA through pinned memory, so nothing waits for the device."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+class Sampled:
+    """One step's draws: ``tokens`` stays on the device (the next step's inputs for fed chunks; a broken
+    row's draw is still a valid id there), the results travel to pinned host memory behind the draws.
+    ``result()`` waits for them alone: later steps queued on the device meanwhile do not delay it."""
+
+    def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, results: dict[str, torch.Tensor],
+                 logprob_asks: list[tuple[str, int]]):
+        self.index = {rid: i for i, rid in enumerate(request_ids)}   # request -> its row of tokens
+        self.request_ids = request_ids
+        self.tokens = tokens
+        self._asks = logprob_asks
+        self._event = None
+        if tokens is not None and tokens.is_cuda:
+            host = {}
+            for name, t in results.items():
+                host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host[name].copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            results = host
+        self._results = results
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def result(self) -> tuple[list[int], dict]:
+        """(token per row, -1 where the row broke; per request that asked, its logprobs entry)."""
+        if not self.request_ids:
+            return [], {}
+        if self._event is not None:
+            self._event.synchronize()
+        r = self._results
+        token_list = r["tokens"].tolist()
+        if not self._asks:
+            return token_list, {}
+        chosen = r["chosen"].tolist()
+        top_values = r["top_values"].tolist() if "top_values" in r else [[] for _ in chosen]
+        top_ids = r["top_ids"].tolist() if "top_ids" in r else [[] for _ in chosen]
+        return token_list, {rid: (chosen[j], top_ids[j][:k], top_values[j][:k])
+                            for j, (rid, k) in enumerate(self._asks)}

@@ -1,9 +1,15 @@
 """A worker: one model shard, its paged K/V tensors and the append-only block-table mirrors.
 
 The engine sends only block-table deltas (``ScheduledChunk.new_block_ids``). The worker appends them to
-its mirror per request and KV-cache group, turns the step into packed tensors, runs its pipeline stage
-and, on the last stage, samples. A step is checked whole before anything changes: a bad delta leaves
-the mirrors and the cache as they were.
+its mirrors (``workers.mirrors``), packs the step's integer inputs into one buffer and uploads it in one
+copy (``workers.step_inputs``), runs its pipeline stage and, on the last stage, samples. A step is
+checked whole before anything changes: a bad delta leaves the mirrors and the cache as they were.
+
+Nothing waits on the device between the step's arrival and the launch of its last kernel: ``launch``
+queues the step and returns a ``PendingStep``; ``collect`` waits for that step's draws alone. So an
+engine can schedule and launch step N+1 while step N runs; a chunk of N+1 marked ``from_last_step``
+takes as its input the token step N drew for its request, straight from the device. ``execute`` is
+``collect(launch(step))``. Decode-only steps can replay CUDA graphs (``workers.cuda_graphs``).
 
 A group of width ``k > 1`` names each block by one id, a composite of ``k`` pool units; the worker keeps
 its units in a members tensor ``[num_blocks, k]`` on the device, updated from the step's compositions.
@@ -14,8 +20,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 
@@ -24,12 +32,13 @@ from kvmanager.specs import AttentionSpec
 from workers.layer_kinds import LAYER_NAME, layer_specs
 from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_parallel, shard_tensor_parallel,
                                   stage_range)
+from workers.cuda_graphs import BATCH_SIZES, DecodeGraphs
+from workers.mirrors import BlockTableMirrors
 from workers.protocol import (RequestError, ScheduledChunk, StepInput, StepOutput, check_chunk_fields,
                               check_compositions)
-from workers.sampling import Sampler
+from workers.sampling import Sampled, Sampler
+from workers.step_inputs import Inputs, Layout, StepInputs
 from workers.tiny_models import TINY_MODELS, build_tiny_model
-
-NULL_BLOCK_ID = 0
 
 
 def load_model(source: Any, seed: int = 0) -> transformers.PreTrainedModel:
@@ -56,15 +65,27 @@ def load_model(source: Any, seed: int = 0) -> transformers.PreTrainedModel:
                      f"a config; got {source!r}")
 
 
+@dataclass
+class PendingStep:
+    """A launched step of the last stage: its draws on their way to the host, and its device time."""
+
+    step_id: int
+    sampled: Sampled
+    started: Any = None                # CUDA events around the step's device work (None on CPU)
+    ended: Any = None
+
+
 class Worker:
     """One pipeline stage (all layers by default) of one model on one device."""
 
     def __init__(self, model: Any, *, block_size: int, num_blocks: int, layers: tuple[int, int] | None = None,
                  layout: KVLayout | None = None, stage: int | None = None, seed: int = 0,
                  device: str | None = None, tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0,
-                 tensor_parallel_group=None):
+                 tensor_parallel_group=None, cuda_graphs: bool = False, graph_batch_sizes=BATCH_SIZES):
         """``layout``/``stage``: the engine's plan (``kvmanager.planning.kv_layout``); without them the
-        worker derives the same plan from its own layer range (equal stages, as the engine splits)."""
+        worker derives the same plan from its own layer range (equal stages, as the engine splits).
+        ``cuda_graphs``: replay decode-only steps of up to ``max(graph_batch_sizes)`` sequences from CUDA
+        graphs (a single stage without tensor parallelism); without CUDA the padded batch runs eagerly."""
         model = load_model(model, seed)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
@@ -101,12 +122,17 @@ class Worker:
                           specs={i: specs[i] for i in held},
                           groups={i: slots[i][0] for i in held},
                           members={i: slots[i][1] for i in held})
-        self._tables: dict[str, list[list[int]]] = {}
+        self.mirrors = BlockTableMirrors(self.groups, block_size, self.widths)
+        self.inputs = StepInputs(self.device, block_size, len(self.groups))
         # Per group wider than one unit: block id -> its units (row 0, the null block, stays all null).
         self._members = {g: torch.zeros(num_blocks, k, dtype=torch.int32, device=self.device)
                          for g, k in enumerate(self.widths) if k > 1}
-        self._composed: dict[int, set[int]] = {g: set() for g in self._members}   # ids the members name
         self.sampler = Sampler(self.vocab_size, self.device) if self.stage.is_last else None
+        self._last_sampled: Sampled | None = None     # the draws fed chunks of the next step read
+        self.graphs = None
+        if cuda_graphs and self.stage.is_first and self.stage.is_last and tensor_parallel_size == 1:
+            self.graphs = DecodeGraphs(self._run_padded, self._padding, lambda: self.inputs.generation,
+                                       sizes=tuple(graph_batch_sizes), capture=self.device.type == "cuda")
 
     @classmethod
     def from_kv_budget(cls, model: Any, *, block_size: int, kv_budget_bytes: int,
@@ -129,84 +155,132 @@ class Worker:
 
     def block_table(self, request_id: str) -> list[list[int]]:
         """The mirror of one request's block tables, one list per group (a copy)."""
-        return [list(t) for t in self._tables[request_id]]
+        return self.mirrors.table(request_id)
 
     @property
     def request_ids(self) -> list[str]:
-        return list(self._tables)
+        return list(self.mirrors.rows)
 
+    # -- a step ---------------------------------------------------------------------------------------
     def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> StepOutput | torch.Tensor:
         """Run one step: a ``StepOutput`` from the last stage, hidden states for the next stage otherwise."""
-        out = self.forward(step, hidden_states)
+        out = self.launch(step, hidden_states)
+        return self.collect(out) if self.stage.is_last else out
+
+    def launch(self, step: StepInput, hidden_states: torch.Tensor | None = None,
+               feedback: Sampled | None = None) -> PendingStep | torch.Tensor:
+        """Queue one step on the device without waiting for it: a ``PendingStep`` from the last stage, the
+        hidden states for the next stage otherwise. ``feedback``: the draws a ``from_last_step`` chunk
+        reads (by default this worker's own latest; an earlier pipeline stage gets the last stage's)."""
+        started = ended = None
+        if self.device.type == "cuda" and self.stage.is_last:
+            started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started.record()
+        out = self.forward(step, hidden_states, feedback)
         if not self.stage.is_last:
             return out
-        chunks = [c for c in step.chunks if c.sample]
-        tokens, logprobs = self.sampler.sample(out, chunks)
-        sampled, failed = {}, {}
-        for chunk, token in zip(chunks, tokens):
-            if token < 0:   # its row held NaN: that request fails, the step stands for the others
-                failed[chunk.request_id] = "the model produced NaN logits for this request"
-                logprobs.pop(chunk.request_id, None)
-            else:
-                sampled[chunk.request_id] = token
-        return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, failed=failed)
+        sampled = self.sampler.sample_async(out, [c for c in step.chunks if c.sample])
+        self._last_sampled = sampled
+        if ended is not None:
+            ended.record()
+        return PendingStep(step.step_id, sampled, started, ended)
 
-    def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+    def collect(self, pending: PendingStep) -> StepOutput:
+        """Wait for a launched step's draws (only its own) and report them."""
+        tokens, logprobs = pending.sampled.result()
+        sampled, failed = {}, {}
+        for rid, token in zip(pending.sampled.request_ids, tokens):
+            if token < 0:   # its row held NaN: that request fails, the step stands for the others
+                failed[rid] = "the model produced NaN logits for this request"
+                logprobs.pop(rid, None)
+            else:
+                sampled[rid] = token
+        device_time_s = 0.0
+        if pending.ended is not None:
+            pending.ended.synchronize()
+            device_time_s = pending.started.elapsed_time(pending.ended) / 1e3
+        return StepOutput(step_id=pending.step_id, sampled=sampled, logprobs=logprobs, failed=failed,
+                          device_time_s=device_time_s)
+
+    def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None,
+                feedback: Sampled | None = None) -> torch.Tensor:
         """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
-        tables, compositions = self._check(step)
+        source = feedback if feedback is not None else self._last_sampled
+        updates, compositions, fed = self._check(step, source)
         self._check_hidden(step, hidden_states)
         for request_id in step.forget:
-            del self._tables[request_id]
+            self.mirrors.forget(request_id)
             if self.sampler:
                 self.sampler.forget(request_id)
-        self._tables.update(tables)
-        for g, composed in compositions.items():
-            ids = torch.tensor(list(composed), dtype=torch.long)
-            self._members[g][ids.to(self.device)] = torch.tensor(list(composed.values()), dtype=torch.int32,
-                                                                 device=self.device)
-            self._composed[g].update(composed)
+        self.mirrors.apply(updates, compositions)
+        chunks = step.chunks
+        rows = np.fromiter((self.mirrors.rows[c.request_id] for c in chunks), dtype=np.int64, count=len(chunks))
+        key = None
+        if self.graphs is not None and chunks:
+            num_tokens = sum(len(c.token_ids) for c in chunks)
+            width = max(-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks)
+            key = self.graphs.key(len(chunks), num_tokens, width)
+            if key is not None:
+                self.graphs.prepare(key)
+        inputs = self.inputs.pack(chunks, rows, self.mirrors, fed=fed,
+                                  compositions={g: c for g, c in compositions.items() if g in self._members},
+                                  pad_to=key[0] if key else None, width=key[1] if key else None)
+        for g, (ids, units) in inputs.compositions.items():
+            self._members[g][ids.long()] = units
+        if fed[0] and source is not None:
+            inputs.input_ids[inputs.fed_at.long()] = source.tokens[inputs.fed_from.long()].to(torch.int32)
         if self.sampler:
-            self.sampler.observe(step.chunks)
-        if not step.chunks:
+            self.sampler.observe(chunks, inputs.input_ids)
+        if not chunks:
             width = self.vocab_size if self.stage.is_last else self.stage.hidden_size
             return torch.zeros(0, width, device=self.device)
-        batch = self._batch(step.chunks)
-        input_ids = None
-        if self.stage.is_first:
-            input_ids = torch.tensor([t for c in step.chunks for t in c.token_ids], device=self.device)
+        if key is not None:
+            return self.graphs.replay(key, inputs)[inputs.logits_indices.long()]
+        batch = self._device_batch(inputs, inputs.logits_indices.long())
+        input_ids = inputs.input_ids if self.stage.is_first else None
         return self.stage.forward(self.kv, batch, input_ids=input_ids, hidden_states=hidden_states)
 
-    def check(self, step: StepInput) -> None:
+    def check(self, step: StepInput, feedback: Sampled | None = None) -> None:
         """Validate a step without changing anything."""
-        self._check(step)
+        self._check(step, feedback if feedback is not None else self._last_sampled)
 
-    def _check(self, step: StepInput):
-        """The tables the step's chunks will have, and its compositions per group (validated)."""
+    # -- checks ---------------------------------------------------------------------------------------
+    def _check(self, step: StepInput, source: Sampled | None):
+        """Per chunk its mirror update, the step's compositions per group, and where fed tokens go (checked)."""
         if not isinstance(step, StepInput):
             raise TypeError(f"step must be a StepInput, got {type(step).__name__}")
         compositions = check_compositions(step.compositions, self.widths, self.num_blocks)
         forget = list(step.forget)
         for request_id in forget:
-            if request_id not in self._tables:
+            if request_id not in self.mirrors:
                 raise ValueError(f"forget: unknown request id {request_id!r}")
         if len(set(forget)) != len(forget):
             raise ValueError(f"forget: duplicate request ids in {forget}")
-        tables: dict[str, list[list[int]]] = {}
+        forgotten = set(forget)
+        updates, seen, fed_at, fed_from = [], set(), [], []
+        needs_tokens = self.stage.is_first or self.stage.is_last
+        offset = 0
         for chunk in step.chunks:
             if not isinstance(chunk, ScheduledChunk):
                 raise TypeError(f"chunks must hold ScheduledChunk, got {type(chunk).__name__}")
-            if chunk.request_id in tables:
-                raise ValueError(f"request_id {chunk.request_id!r} appears twice in step {step.step_id}")
+            rid = chunk.request_id
+            if rid in seen:
+                raise ValueError(f"request_id {rid!r} appears twice in step {step.step_id}")
+            seen.add(rid)
             check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
-            known = chunk.request_id in self._tables and chunk.request_id not in forget
+            known = rid in self.mirrors and rid not in forgotten
             if known and chunk.start is not None:
-                raise RequestError(chunk.request_id, f"request {chunk.request_id!r}: start sent for a request this "
-                                                     "worker already holds (only a request's first chunk on the "
-                                                     "workers carries one)")
-            base = self._tables[chunk.request_id] if known else [[] for _ in self.groups]
-            tables[chunk.request_id] = [old + list(new) for old, new in zip(base, chunk.new_block_ids)]
-            self._check_table(chunk, tables[chunk.request_id], known, compositions)
-        return tables, compositions
+                raise RequestError(rid, f"request {rid!r}: start sent for a request this worker already holds (only "
+                                        "a request's first chunk on the workers carries one)")
+            if chunk.from_last_step and needs_tokens:
+                if source is None or rid not in source.index:
+                    raise RequestError(rid, f"request {rid!r}: its chunk takes the token the previous step drew, but "
+                                            "that step drew none for it on this worker")
+                fed_at.append(offset)
+                fed_from.append(source.index[rid])
+            updates.append(self.mirrors.check(chunk, known, compositions))
+            offset += len(chunk.token_ids)
+        return updates, compositions, (fed_at, fed_from)
 
     def _check_hidden(self, step: StepInput, hidden_states: torch.Tensor | None) -> None:
         num_tokens = sum(len(c.token_ids) for c in step.chunks)
@@ -216,56 +290,47 @@ class Worker:
             raise ValueError(f"hidden_states must have shape ({num_tokens}, {self.stage.hidden_size}), "
                              f"got {tuple(hidden_states.shape)}")
 
-    def _check_table(self, chunk: ScheduledChunk, table: list[list[int]], known: bool, compositions: dict) -> None:
-        """The table must reach the step's last token and hold real (and composed) blocks wherever the step
-        reads or writes."""
-        bs, rid = self.block_size, chunk.request_id
-        end = chunk.start_pos + len(chunk.token_ids)
-        need = -(-end // bs)
-        for g, spec in enumerate(self.groups):
-            if len(table[g]) < need:
-                hint = "" if known else " (the request is new to this worker, so its chunk must carry its whole table)"
-                raise RequestError(rid, f"request {rid!r}: group {g} table has {len(table[g])} blocks "
-                                        f"({len(table[g]) * bs} tokens) but the step reaches {end} tokens{hint}")
-            first = spec.first_needed_token(chunk.start_pos) // bs
-            read = table[g][first:need]
-            if NULL_BLOCK_ID in read:
-                nulls = [first + j for j, b in enumerate(read) if b == NULL_BLOCK_ID]
-                raise RequestError(rid, f"request {rid!r}: group {g} has the null block at logical blocks "
-                                        f"{nulls}, which positions {chunk.start_pos}..{end - 1} read or write")
-            if g in self._composed:
-                unknown = [b for b in read if b not in self._composed[g] and b not in compositions.get(g, ())]
-                if unknown:
-                    raise ValueError(f"request {chunk.request_id!r}: group {g} reads blocks {unknown}, which no "
-                                     "composition has named")
-
-    def _batch(self, chunks: list[ScheduledChunk]) -> StepBatch:
-        """Per group, the unit tables ``[k, num_seqs, max_blocks]`` (one gather through the members) and the
-        slots ``[k, num_tokens]`` of every member."""
-        bs, dev = self.block_size, self.device
-        query_lens = [len(c.token_ids) for c in chunks]
-        seq_lens = [c.start_pos + n for c, n in zip(chunks, query_lens)]
-        positions = torch.cat([torch.arange(c.start_pos, end) for c, end in zip(chunks, seq_lens)]).to(dev)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens)).to(dev)
-        width = max(-(-n // bs) for n in seq_lens)
+    # -- the device side of the inputs ------------------------------------------------------------------
+    def _device_batch(self, inputs: Inputs, logits_indices: torch.Tensor | None, padded: bool = False) -> StepBatch:
+        """Per group, the unit tables ``[k, num_seqs, width]`` (one gather through the members) and the
+        slots ``[k, num_tokens]`` of every member, from the uploaded inputs alone (no host data: a graph
+        captures this too)."""
+        bs = self.block_size
+        positions = inputs.positions.long()
+        seq_of_token = inputs.seq_of_token.long()
+        in_block, block_index = positions % bs, positions // bs
         block_tables, slot_mappings = [], []
-        for g in range(len(self.groups)):
-            rows = [self._tables[c.request_id][g][:-(-n // bs)] for c, n in zip(chunks, seq_lens)]
-            table = torch.tensor([row + [NULL_BLOCK_ID] * (width - len(row)) for row in rows],
-                                 dtype=torch.int32).to(dev)
+        for g, table in enumerate(inputs.tables):
             if g in self._members:
-                table = self._members[g][table.long()].permute(2, 0, 1).contiguous()
+                table = self._members[g][table.long()].permute(2, 0, 1)
             else:
                 table = table[None]
-            slots = table[:, seq_of_token, positions // bs].long() * bs + positions % bs
             block_tables.append(table)
-            slot_mappings.append(slots)
-        sample_rows = torch.tensor(query_lens).cumsum(0) - 1
-        wanted = torch.tensor([c.sample for c in chunks], dtype=torch.bool)
-        return StepBatch(positions=positions, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                         query_lens=torch.tensor(query_lens, dtype=torch.int32, device=dev),
-                         block_tables=block_tables, slot_mappings=slot_mappings,
-                         logits_indices=sample_rows[wanted].to(dev))
+            slot_mappings.append(table[:, seq_of_token, block_index].long() * bs + in_block)
+        return StepBatch(positions=positions, seq_lens=inputs.seq_lens, query_lens=inputs.query_lens,
+                         block_tables=block_tables, slot_mappings=slot_mappings, logits_indices=logits_indices,
+                         padded=padded)
+
+    def _run_padded(self, inputs: Inputs) -> torch.Tensor:
+        """Every row's logits of a padded decode batch (what a decode graph captures)."""
+        batch = self._device_batch(inputs, None, padded=True)
+        return self.stage.forward(self.kv, batch, input_ids=inputs.input_ids)
+
+    def _padding(self, batch_size: int, width: int) -> Inputs:
+        """Room for any decode step of this bucket (and its extras) first, so that packing one later does
+        not move the buffer a graph reads; then a batch of padding rows."""
+        layout = Layout(batch_size, batch_size, width, len(self.groups))
+        self.inputs.reserve(2 * layout.size + (1 << 16))
+        return self.inputs.padding_views(batch_size, width)
+
+    def capture_graphs(self, batch_sizes=None, max_model_len: int | None = None) -> dict:
+        """Capture decode graphs ahead of time for tables up to ``max_model_len`` tokens; returns
+        ``{"captured": [(batch, width)...], "failures": {...}}``."""
+        if self.graphs is None:
+            return {"captured": [], "failures": {}}
+        width = -(-(max_model_len or self.block_size) // self.block_size)
+        self.graphs.capture(batch_sizes, width)
+        return {"captured": sorted(self.graphs.graphs), "failures": dict(self.graphs.failures)}
 
 
 def _own_layout(specs: list[AttentionSpec], start: int, end: int, tensor_parallel_size: int):
@@ -280,12 +345,28 @@ def _own_layout(specs: list[AttentionSpec], start: int, end: int, tensor_paralle
 def execute_pipeline(stages: Sequence, step: StepInput) -> StepOutput:
     """Run a step through consecutive stages (real or simulated workers) in one process, checking it on
     every stage first, so a bad step changes no stage (a single stage checks it as it executes)."""
+    out = launch_pipeline(stages, step)
+    return stages[-1].collect(out) if isinstance(out, PendingStep) else out
+
+
+def launch_pipeline(stages: Sequence, step: StepInput, feedback: Sampled | None = None):
+    """Queue a step through the stages: the last stage's ``PendingStep`` (a ``StepOutput`` from simulated
+    workers, which run at once). ``feedback``: the draws the first stage feeds (the last stage's own by
+    default)."""
+    if feedback is None and len(stages) > 1 and isinstance(stages[-1], Worker):
+        feedback = stages[-1]._last_sampled
     if len(stages) > 1:
-        for stage in stages:
-            stage.check(step)
+        for i, stage in enumerate(stages):
+            if i == 0 and isinstance(stage, Worker):
+                stage.check(step, feedback)
+            else:
+                stage.check(step)
     out = None
-    for stage in stages:
-        out = stage.execute(step, out)
+    for i, stage in enumerate(stages):
+        if isinstance(stage, Worker):
+            out = stage.launch(step, out, feedback if i == 0 else None)
+        else:
+            out = stage.execute(step, out)
     return out
 
 
