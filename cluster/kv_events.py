@@ -33,7 +33,6 @@ import time
 import uuid
 from collections import deque
 
-import msgpack
 
 from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
 from kvmanager.specs import AttentionSpec
@@ -160,10 +159,12 @@ class EventPublisher:
         return self.seq, self._pack(events)
 
     def _pack(self, events: list[dict]) -> bytes:
+        import msgpack   # here, not at import: build_engine reads this module's metadata on GPU machines without it
         return msgpack.packb([time.time(), events, self.rank], use_bin_type=True)
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[dict], int | None]:
+    import msgpack
     ts, events, rank = msgpack.unpackb(payload, raw=False)
     return ts, events, rank
 
