@@ -32,7 +32,6 @@ import argparse
 import gc
 import inspect
 import json
-import os
 import platform
 import random
 import statistics

@@ -39,7 +39,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import kvmanager  # noqa: E402
 import kvmanager.planning  # noqa: E402
-from kvmanager import FullAttention, SlidingWindow  # noqa: E402
 
 BLOCK = 16
 WINDOW = 128

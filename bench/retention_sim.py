@@ -37,6 +37,8 @@ from bisect import bisect_left
 from collections import Counter, OrderedDict, deque
 from hashlib import blake2b
 
+from kvmanager.coordinator import HitRule
+
 
 def chain_hashes(tokens, block_size: int, parent: bytes = b"root", start: int = 0) -> list[bytes]:
     """Chained 128-bit hashes of the full blocks of ``tokens[start*B:]`` after ``parent``."""
@@ -564,6 +566,7 @@ class SimManager:
     def __init__(self, specs: list[Spec], num_blocks: int | None, policy="drop-front", *,
                  checkpoint: int = 0, junctions: bool = True):
         self.specs = specs
+        self.rule = HitRule(specs)
         self.bs = specs[0].block_size
         self.unbounded = num_blocks is None
         self.blocks = [Block(0)]
@@ -599,22 +602,12 @@ class SimManager:
 
     # -- hits --------------------------------------------------------------------------------------
     def _hit_length(self, req: SimRequest, max_tokens: int, sets) -> int:
+        """The manager's own agreement rule (``HitRule``) over each group's search in ``sets``."""
         hashes = req.block_hashes(self.bs)
-        h = max_tokens // self.bs * self.bs
-        order = sorted(range(len(self.specs)), key=lambda g: self.specs[g].drops)
-        settled = 0
-        while h > 0 and settled < len(order):
-            settled = 0
-            for g in order:
-                s = sets[g]
-                hg = self.specs[g].longest_hit(lambda i: hashes[i] in s, h // self.bs) * self.bs
-                if hg == h:
-                    settled += 1
-                else:
-                    h, settled = hg, 0
-                    if h == 0:
-                        break
-        return h
+        bs = self.bs
+        searches = [lambda bound, spec=spec, s=s: spec.longest_hit(lambda i: hashes[i] in s, bound // bs) * bs
+                    for spec, s in zip(self.specs, sets)]
+        return self.rule.longest(searches, max_tokens)
 
     def get_computed_blocks(self, req: SimRequest):
         max_tokens = req.num_tokens - 1

@@ -178,9 +178,9 @@ class LegacyPrep:
         from workers.protocol import check_chunk_fields, check_compositions
         w = self.w
         compositions = check_compositions(step.compositions, w.widths, w.num_blocks)
-        tables = {}
+        tables, seen = {}, set()
         for c in step.chunks:
-            check_chunk_fields(c, len(w.groups), w.num_blocks, w.vocab_size)
+            check_chunk_fields(c, step.step_id, seen, len(w.groups), w.num_blocks, w.vocab_size)
             known = c.request_id in self.tables and c.request_id not in step.forget
             base = self.tables[c.request_id] if known else [[] for _ in w.groups]
             table = tables[c.request_id] = [old + list(new) for old, new in zip(base, c.new_block_ids)]

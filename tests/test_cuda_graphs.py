@@ -17,7 +17,6 @@ import torch
 
 from cluster.llm import LLM
 from workers.cuda_graphs import BATCH_SIZES, DecodeGraphs, bucket_batch, bucket_width
-from workers.protocol import ScheduledChunk, StepInput
 from workers.tiny_models import build_tiny_model
 from workers.worker import Worker
 

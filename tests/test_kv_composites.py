@@ -13,21 +13,7 @@ from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.planning import kv_layout
 from workers.presets import layer_specs
 
-
-def run_step(mgr, req, n):
-    new = mgr.allocate_slots(req, n)
-    assert new is not None
-    req.num_computed_tokens += n
-    return new
-
-
-def decode(mgr, req, token):
-    req.append_output_token_ids([token])
-    return run_step(mgr, req, 1)
-
-
-def ids(hit):
-    return [[b.block_id for b in g] for g in hit]
+from drivers import decode, ids, run_step
 
 
 def test_freed_composites_are_reused_whole_by_their_kind_and_hit_whole():

@@ -17,7 +17,8 @@ from cluster.engine import Engine, EngineConfig
 from cluster.kv_events import EventPublisher, Gap, KVIndex, decode_batch, group_metadata, specs_from_metadata
 from cluster.scheduler import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, KVCacheManager, Request, SlidingWindow
-from workers.simulated import SimulatedWorker
+
+from drivers import SimulatedExecutor
 
 VOCAB = 4   # a small alphabet: prompts and outputs share prefixes often
 
@@ -30,21 +31,9 @@ LAYOUTS = {
 }
 
 
-class SimulatedExecutor:
-    def __init__(self, specs, num_blocks, widths):
-        self.specs, self.num_blocks, self.widths = specs, num_blocks, widths
-        self.restart()
-
-    def execute(self, step):
-        return self.worker.execute(step)
-
-    def restart(self):
-        self.worker = SimulatedWorker(self.specs, self.num_blocks, vocab_size=VOCAB, widths=self.widths)
-
-
 def make_engine(layout: str, num_blocks: int, budget: int = 16) -> Engine:
     specs, widths = LAYOUTS[layout]
-    return Engine(SimulatedExecutor(specs, num_blocks, widths), specs, num_blocks,
+    return Engine(SimulatedExecutor(specs, num_blocks, widths, VOCAB), specs, num_blocks,
                   EngineConfig(max_model_len=200, max_num_batched_tokens=budget, vocab_size=VOCAB),
                   group_widths=widths)
 

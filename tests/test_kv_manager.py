@@ -11,23 +11,9 @@ from pathlib import Path
 
 from kvmanager import NULL_BLOCK_ID, FullAttention, KVCacheManager, Request, SlidingWindow
 
+from drivers import decode, ids, run_step
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def ids(hit):
-    return [[b.block_id for b in g] for g in hit]
-
-
-def run_step(mgr, req, n):
-    new = mgr.allocate_slots(req, n)
-    assert new is not None
-    req.num_computed_tokens += n
-    return new
-
-
-def decode(mgr, req, token):
-    req.append_output_token_ids([token])
-    return run_step(mgr, req, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------

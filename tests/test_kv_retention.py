@@ -17,21 +17,7 @@ from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block, BlockPool
 from kvmanager.free_queue import THRESHOLD, FreeQueue
 
-
-def ids(hit):
-    return [[b.block_id for b in g] for g in hit]
-
-
-def run_step(mgr, req, n):
-    new = mgr.allocate_slots(req, n)
-    assert new is not None
-    req.num_computed_tokens += n
-    return new
-
-
-def decode(mgr, req, token):
-    req.append_output_token_ids([token])
-    return run_step(mgr, req, 1)
+from drivers import decode, ids, run_step
 
 
 def serve(mgr: KVCacheManager, req: Request, chunk: int, output=()) -> int:

@@ -26,24 +26,11 @@ from cluster.engine import Engine, EngineConfig
 from cluster.scheduler import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
 from kvmanager.planning import peak_blocks
-from workers.simulated import SimulatedWorker
 from workers.tiny_models import build_tiny_model
 
+from drivers import SimulatedExecutor
+
 VOCAB = 3   # generated tokens come from the same alphabet as prompts: outputs are shared prefixes too
-
-
-class SimulatedExecutor:
-    """The executor interface over one simulated worker (what ``LocalExecutor`` does for a preset)."""
-
-    def __init__(self, specs, num_blocks, widths):
-        self.specs, self.num_blocks, self.widths = specs, num_blocks, widths
-        self.restart()
-
-    def execute(self, step):
-        return self.worker.execute(step)
-
-    def restart(self):
-        self.worker = SimulatedWorker(self.specs, self.num_blocks, vocab_size=VOCAB, widths=self.widths)
 
 
 def brute_force_need(specs, widths, num_tokens: int) -> int:
@@ -70,7 +57,7 @@ def test_every_accepted_request_finishes_within_the_progress_bound(groups, num_b
                                                                    requests):
     specs, widths = [s for s, _ in groups], [w for _, w in groups]
     assume(num_blocks > max(widths))   # the manager refuses a pool that cannot hold one block of each group
-    engine = Engine(SimulatedExecutor(specs, num_blocks, widths), specs, num_blocks,
+    engine = Engine(SimulatedExecutor(specs, num_blocks, widths, VOCAB), specs, num_blocks,
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=budget,
                                  enable_prefix_caching=caching, vocab_size=VOCAB), group_widths=widths)
     expected, outputs, reasons = {}, {}, {}

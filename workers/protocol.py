@@ -194,11 +194,18 @@ def check_compositions(compositions, widths, num_blocks: int) -> dict[int, dict[
     return out
 
 
-def check_chunk_fields(chunk: ScheduledChunk, num_groups: int, num_blocks: int, vocab_size: int) -> None:
-    """Every field of a chunk has the right type and range (tables are each worker's own check)."""
+def check_chunk_fields(chunk: ScheduledChunk, step_id: int, seen: set[str], num_groups: int, num_blocks: int,
+                       vocab_size: int) -> None:
+    """Every field of a chunk has the right type and range, and its request is not already in the step
+    (``seen``, which this adds it to); tables are each worker's own check."""
+    if not isinstance(chunk, ScheduledChunk):
+        raise TypeError(f"step {step_id}: chunks must hold ScheduledChunk, got {type(chunk).__name__}")
     rid = chunk.request_id
     if not isinstance(rid, str) or not rid:
         raise ValueError(f"request_id must be a non-empty str, got {rid!r}")
+    if rid in seen:
+        raise ValueError(f"step {step_id}: request_id {rid!r} appears twice")
+    seen.add(rid)
 
     def fail(message: str):
         raise RequestError(rid, message)

@@ -180,13 +180,8 @@ class SimulatedWorker:
         tables, computed, quiets = self._tables, self._computed, self._quiet
         num_groups, num_blocks, vocab = len(self.groups), self.num_blocks, self.vocab_size
         for chunk in step.chunks:
-            if not isinstance(chunk, ScheduledChunk):
-                raise TypeError(f"step {step.step_id}: chunks must hold ScheduledChunk, got {type(chunk).__name__}")
+            check_chunk_fields(chunk, step.step_id, seen, num_groups, num_blocks, vocab)
             rid = chunk.request_id
-            if rid in seen:
-                raise ValueError(f"step {step.step_id}: request_id {rid!r} appears twice")
-            seen.add(rid)
-            check_chunk_fields(chunk, num_groups, num_blocks, vocab)
             start = chunk.start_pos
             end = start + len(chunk.token_ids)
             known = rid in tables

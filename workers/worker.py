@@ -34,8 +34,7 @@ from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_p
                                   stage_range)
 from workers.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from workers.mirrors import BlockTableMirrors
-from workers.protocol import (RequestError, ScheduledChunk, StepInput, StepOutput, check_chunk_fields,
-                              check_compositions)
+from workers.protocol import RequestError, StepInput, StepOutput, check_chunk_fields, check_compositions
 from workers.sampling import Sampled, Sampler
 from workers.step_inputs import Inputs, Layout, StepInputs
 from workers.tiny_models import TINY_MODELS, build_tiny_model
@@ -261,13 +260,8 @@ class Worker:
         needs_tokens = self.stage.is_first or self.stage.is_last
         offset = 0
         for chunk in step.chunks:
-            if not isinstance(chunk, ScheduledChunk):
-                raise TypeError(f"chunks must hold ScheduledChunk, got {type(chunk).__name__}")
+            check_chunk_fields(chunk, step.step_id, seen, len(self.groups), self.num_blocks, self.vocab_size)
             rid = chunk.request_id
-            if rid in seen:
-                raise ValueError(f"request_id {rid!r} appears twice in step {step.step_id}")
-            seen.add(rid)
-            check_chunk_fields(chunk, len(self.groups), self.num_blocks, self.vocab_size)
             known = rid in self.mirrors and rid not in forgotten
             if known and chunk.start is not None:
                 raise RequestError(rid, f"request {rid!r}: start sent for a request this worker already holds (only "
