@@ -2,7 +2,9 @@
 
 A prefix hit on a sliding group starts a table with many null entries; sending them as one integer
 keeps a step's payload proportional to the real blocks it adds. Compositions (the units of composites made
-since the last step) travel once each, ahead of the tables. A chunk's ``RequestStart`` (sampling spec,
+since the last step) travel once each, ahead of the tables, their units as runs of consecutive ids
+(``[first, count, ...]``): a composite of never-used units is one run whatever its width, so the bytes
+do not grow with the number of layers of a kind. A chunk's ``RequestStart`` (sampling spec,
 prompt length, seen tokens) is a nil on every chunk but a request's first on the workers.
 """
 from __future__ import annotations
@@ -21,6 +23,21 @@ def _pack_ids(ids: list[int]) -> list:
     while nulls < len(ids) and ids[nulls] == 0:
         nulls += 1
     return [nulls, ids[nulls:]]
+
+
+def _pack_runs(units) -> list[int]:
+    """Units as ``[first, count, first, count, ...]`` runs of consecutive ids."""
+    flat: list[int] = []
+    for u in units:
+        if flat and u == flat[-2] + flat[-1]:
+            flat[-1] += 1
+        else:
+            flat += (u, 1)
+    return flat
+
+
+def _unpack_runs(flat: list[int]) -> tuple[int, ...]:
+    return tuple(u for i in range(0, len(flat), 2) for u in range(flat[i], flat[i] + flat[i + 1]))
 
 
 def _pack_start(start: RequestStart | None):
@@ -44,8 +61,9 @@ def _chunk_fields(c) -> list:
 def encode_step(step: StepInput) -> bytes:
     """The step's bytes; ``RequestError`` naming the chunk that msgpack cannot carry (an int beyond 64 bits)."""
     chunks = [_chunk_fields(c) for c in step.chunks]
+    compositions = [(g, block_id, _pack_runs(units)) for g, block_id, units in step.compositions]
     try:
-        return msgpack.packb([step.step_id, chunks, step.forget, step.compositions])
+        return msgpack.packb([step.step_id, chunks, step.forget, compositions])
     except (OverflowError, TypeError, ValueError) as exc:
         for c, packed in zip(step.chunks, chunks):   # rare: find the culprit, chunk by chunk
             try:
@@ -62,7 +80,7 @@ def decode_step(payload: bytes) -> StepInput:
         ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first),
                        fed)
         for rid, tokens, start, groups, sample, first, fed in chunks], forget,
-        [(g, block_id, tuple(units)) for g, block_id, units in compositions])
+        [(g, block_id, _unpack_runs(runs)) for g, block_id, runs in compositions])
 
 
 def encode_output(out: StepOutput) -> bytes:

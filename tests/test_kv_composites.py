@@ -7,11 +7,14 @@ composite of its kind unless k loose units wait in front of it, else composes k 
 tiers' first), else dissolves the frontmost composites of another kind; finished tables join the reusable
 tier tail first, dropped blocks the unreachable tier, leftover units the front of the empty tier.
 """
+import msgpack
 import pytest
 
+from cluster.deltas import decode_step, encode_step
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.planning import kv_layout
 from workers.presets import layer_specs
+from workers.protocol import StepInput
 
 from drivers import decode, ids, run_step
 
@@ -150,3 +153,20 @@ def test_gemma_3_27b_layout_two_groups_one_id_per_entry_capacity_in_units():
     assert [len(c[2]) for c in mgr.pop_compositions()] == [26] * 64 + [5] * 64
     assert mgr.num_free_blocks == 11930 - 2 * 1984 - 64 * 5
     assert mgr.pool.free.ids()[-64:] == [26 * j + 1 for j in range(64)]
+
+
+def test_compositions_travel_to_workers_as_runs_of_consecutive_units_whatever_the_width():
+    """The wire form of a step (``cluster.deltas``): a composite of consecutive units is two integers, so
+    what a step sends does not grow with the layers of a kind; the workers get the units back as they were."""
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2), FullAttention(block_size=1)], num_blocks=64,
+                         widths=(26, 5))
+    a = Request("a", [1, 2])
+    run_step(mgr, a, 2)
+    made = mgr.pop_compositions()
+    assert made == [(0, 1, tuple(range(1, 27))), (0, 27, tuple(range(27, 53))),
+                    (1, 53, (53, 54, 55, 56, 57)), (1, 58, (58, 59, 60, 61, 62))]
+    step = StepInput(7, [], [], made + [(1, 3, (3, 9, 10, 11, 2))])     # one scattered composite too
+    _, _, _, wired = msgpack.unpackb(encode_step(step))
+    assert wired == [[0, 1, [1, 26]], [0, 27, [27, 26]], [1, 53, [53, 5]], [1, 58, [58, 5]],
+                     [1, 3, [3, 1, 9, 3, 2, 1]]]
+    assert decode_step(encode_step(step)).compositions == step.compositions
