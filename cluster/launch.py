@@ -146,8 +146,12 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
     handles = []
 
     def _stop(signum, frame):
+        # the first Ctrl-C or SIGTERM starts the goodbyes; a second one must not cut them short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
+    old_sigint = signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
         print(f"swakv: starting {data_parallel_size} engine replica(s) and their workers for "
@@ -170,7 +174,7 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
         print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
         return 0
     finally:
-        old_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the goodbyes short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)     # also when start-up itself failed
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             if handles:

@@ -1,0 +1,53 @@
+"""The README's main job as an operator runs it: ``python -m cluster serve`` answers on its port, and
+Ctrl-C stops it with a goodbye, exit status 0 and no traceback, even when pressed twice, taking its Ray
+runtime down with it."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 8765
+
+
+def raylets() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtime():
+    before = raylets()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", "--port", str(PORT), "--num-cpus", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve did not become ready in 240 s"
+            time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=60,
+                       json={"model": "swakv-tiny-hybrid", "prompt": "The ", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)          # an impatient operator, or a wrapper that forwards it too
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "swakv: shutting down ..." in err and "told 0 in-flight request(s)" in err
+    assert raylets() <= before                   # the runtime it started is gone
