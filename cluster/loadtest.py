@@ -516,6 +516,11 @@ def run_one(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, router: str
         result = asyncio.run(run_load(
             sessions, url, duration_s=cfg.duration_s, drain_s=cfg.drain_s, seed=cfg.seed, poll_stats=stats.poll,
             progress=cfg.progress, events=events, request_id_prefix=f"{label}-{cfg.seed}"))
+        if cfg.kill_replica_at is not None:
+            try:   # let the restarted replica rejoin (bounded), so "ready at the end" reports recovery, not timing
+                wait_healthy(url, timeout_s=120.0, ready=dp)
+            except RuntimeError:
+                pass   # it did not: the report shows fewer replicas ready at the end
         view = router_view(url, dp) if cfg.routers else None
     finally:
         stop_engines(handles)
