@@ -38,7 +38,8 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
         pub.attach(engine.manager)
         engines.append(engine)
         pubs.append(pub)
-        views.append(Replica(rank, f"replica-{rank}", ready=True, rule=HitRule(engine.manager.specs)))
+        views.append(Replica(rank, f"replica-{rank}", ready=True, rule=HitRule(engine.manager.specs),
+                             step_tokens=engine.config.max_num_batched_tokens))
     router = make_router(router_name, seed)
     events: list = []       # (time, order, kind, payload)
     order = 0
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--kv-memory-gib", type=float, default=6.0)
     p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--shared-prefixes", type=int, default=None, help="chat's system prompts or qa's documents")
     p.add_argument("--popularity", type=float, default=None)
     p.add_argument("--rate", type=float, default=None)
     p.add_argument("--sessions", type=int, default=None)
@@ -140,6 +142,8 @@ def main(argv=None) -> int:
     for k in ("popularity", "rate", "sessions"):
         if getattr(args, k) is not None:
             knobs[k] = getattr(args, k)
+    if args.shared_prefixes is not None:
+        knobs["system_prompts" if args.workload == "chat" else "documents"] = args.shared_prefixes
     seeds = [int(x) for x in args.seeds.split(",")]
     routers = args.routers.split(",")
     print(f"{args.workload} {knobs} on {args.replicas} x {args.model} ({args.gpu}), simulated time, seeds {seeds}")

@@ -138,7 +138,7 @@ def build_engine(model: str = "default", *, tensor_parallel_size: int = 1, pipel
             "vocab_size": vocab_size, "eos_token_ids": list(eos),
             "sliding_as_full": sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "kv_groups": group_metadata(layout.group_specs)}
+            "max_num_batched_tokens": max_num_batched_tokens, "kv_groups": group_metadata(layout.group_specs)}
     return engine, info
 
 

@@ -73,6 +73,7 @@ class ReplicaSet:
         info = await asyncio.wait_for(self.handle(replica).ready.remote(), CALL_TIMEOUT_S)
         if replica.rule is None and info.get("kv_groups"):
             replica.rule = HitRule(specs_from_metadata(info["kv_groups"]))
+        replica.step_tokens = info.get("max_num_batched_tokens", replica.step_tokens)
         return info
 
     # -- following the replicas ------------------------------------------------------------------

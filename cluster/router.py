@@ -6,10 +6,11 @@ valid for every KV-cache group under that group's own window rule, found by the 
 hashes the replica's KV events say it caches (``kv_events.KVIndex``). A sliding group needs only the last
 window's blocks cached, so a replica that has evicted the start of a long prompt can still offer a hit
 a text-prefix router would never see; and a replica whose window blocks were evicted offers no phantom
-hit. It takes the best hit unless that replica is overloaded (requests wait there for admission while
-another replica has fewer waiting, or its KV pool is full while another's is not), in which case it
-takes the one with less prefill work ahead of the first token of two random replicas (power of two
-choices).
+hit. It takes the best hit unless the estimated time to first token (prefill queued there plus the
+request's own uncached tokens, in engine steps) says another replica saves more than twice the work the
+move adds, or the holder is overloaded (requests wait there for admission while another replica has
+fewer waiting), in which case it takes the one with the shorter estimate of two random replicas (power
+of two choices).
 
 A prompt's block hashes are computed lazily and once (``PromptHashes``): the scoring of every replica
 shares them, and the chosen engine receives them with the request instead of hashing the prompt again.
@@ -98,6 +99,7 @@ class Replica:
     in_flight: int = 0                   # requests this app routed to it that have not ended
     sent_tokens: int = 0                 # uncached prompt tokens this app sent it since its last report
     prefilling: list = field(default_factory=list)   # prompts routed here whose first token has not come
+    step_tokens: int = 512               # its scheduler's token budget per step (max_num_batched_tokens)
 
     @property
     def load(self) -> int:
@@ -106,8 +108,21 @@ class Replica:
 
     def wait_tokens(self, uncached: int) -> int:
         """Prompt tokens to compute on this replica before a request's first token: the backlog ahead of it
-        (chunked prefill serves requests in turn) and its own uncached tokens."""
+        (the scheduler gives running requests' chunks the step's budget first, in admission order, so a
+        new request's prefill starts after theirs) and its own uncached tokens."""
         return self.backlog + self.sent_tokens + uncached
+
+    def steps_for(self, tokens: int) -> int:
+        """Engine steps this replica needs to prefill ``tokens``: a step's token budget less one token for
+        each running request (its decode, or its next chunk, goes first)."""
+        return -(-tokens // max(1, self.step_tokens - self.running))
+
+    def wait_steps(self, uncached: int) -> int:
+        """Estimated time to a request's first token if it came here now, in engine steps: the prefill
+        ahead of it and its own (``wait_tokens``), never less than one step. Steps, not tokens: two
+        replicas that both answer within the next step are equally fast, whichever has a few more tokens
+        queued. The same for every replica of one deployment (same model, same GPUs), so steps compare."""
+        return max(1, self.steps_for(self.wait_tokens(uncached)))
 
 
 def prefix_hit(replica: Replica, prompt: PromptHashes) -> int:
@@ -170,7 +185,8 @@ def prefilling_hit(replica: Replica, prompt: PromptHashes) -> int:
 class Choice:
     replica: Replica
     hit_tokens: int = 0          # what the prefix router expects the replica to find cached
-    reason: str = ""             # best-hit, overloaded, least-loaded, round-robin, tree-match, tree-smallest
+    reason: str = ""             # best-hit, shorter-wait, overloaded, least-loaded, round-robin, tree-match,
+                                 # tree-smallest
 
 
 class Router:
@@ -215,35 +231,58 @@ class LeastLoaded(Router):
 
 
 class PrefixAware(Router):
-    """Best window-aware hit unless that replica is overloaded; then power of two choices.
+    """The longest window-aware hit, unless the estimated time to first token says leaving it pays.
 
     A replica's hit is what its cache grants now (``prefix_hit``) or, if more, what the requests it is
     still prefilling will have cached (``prefilling_hit``): a burst of requests for one new document go
-    together, and their document then stays cached there, shared. Overloaded: more requests wait there
-    to be admitted (no KV room, no batch slot) than on the least waited-on replica, by ``slack`` or more.
-    Then two random replicas are drawn and the one with less prefill work ahead of the request's first
-    token (its uncached tokens included) takes it. Among equal hits, and for a prompt no replica has, the
-    least such work wins: chunked prefill serves running requests in turn, so that work is what a first
-    token waits for."""
+    together, and their document then stays cached there, shared. Its estimated time to first token is
+    ``Replica.wait_steps``: the prefill backlog it reported, the uncached tokens sent to it since, and this
+    request's own uncached tokens (its prompt less that hit), in engine steps.
+
+    The longest hit wins; among equal hits (and for a prompt no replica has) the fewest estimated steps,
+    then the emptier KV pool, then round the ranks. It goes instead to the replica with the fewest
+    estimated steps when that saves more steps than ``move_cost`` times the prefill the move adds to the
+    cluster (the hit it gives up, in that replica's steps), and only while nothing waits for admission on
+    the holder: requests waiting there wait for KV room or a batch slot, not for prefill, so its backlog
+    does not say when they start (the overload rule below covers it).
+
+    Why not simply the fewest estimated steps, hit or not: each request moved off its hit copies a prefix
+    into another replica's queue and cache, which the requests after it pay for. In ``bench/router_sim.py``
+    that greedy rule lost 3-4 points of hit rate at the load test's rates, for the same median TTFT, and
+    at twice chat's rate its hit rate fell from 49% to 35% and its median TTFT doubled. The work a move
+    adds is counted twice (the prefill itself, and the queue and cache room it takes from later
+    requests); counted once, it measured within a point of that.
+
+    Overloaded: more requests wait there to be admitted (no KV room, no batch slot) than on the least
+    waited-on replica, by ``slack`` or more. Then two random replicas are drawn and the one with the fewer
+    estimated steps takes it (power of two choices)."""
 
     name = "prefix"
 
-    def __init__(self, slack: int = 4, seed: int = 0):
+    def __init__(self, slack: int = 4, move_cost: float = 2.0, seed: int = 0):
         self.slack = slack
+        self.move_cost = move_cost
         self._rng = random.Random(seed)
         self._next = 0
 
     def choose(self, replicas, prompt):
         n = prompt.num_tokens
         hits = [max(prefix_hit(r, prompt), prefilling_hit(r, prompt)) for r in replicas]
-        work = [r.wait_tokens(n - h) for r, h in zip(replicas, hits)]
-        # the longest hit; among equal hits the least work ahead, then the emptier pool, then round the ranks
-        best = min(range(len(replicas)), key=lambda i: (-hits[i], work[i], replicas[i].kv_usage,
-                                                        (replicas[i].rank - self._next) % (1 << 30)))
+        steps = [r.wait_steps(n - h) for r, h in zip(replicas, hits)]
+
+        def after(i):   # the emptier pool, then round the ranks
+            return replicas[i].kv_usage, (replicas[i].rank - self._next) % (1 << 30)
+
+        every = range(len(replicas))
+        best = min(every, key=lambda i: (-hits[i], steps[i], *after(i)))
         reason = "best-hit" if hits[best] else "least-loaded"
+        fast = min(every, key=lambda i: (steps[i], -hits[i], *after(i)))
+        if not replicas[best].waiting and \
+                steps[best] - steps[fast] > self.move_cost * replicas[fast].steps_for(hits[best] - hits[fast]):
+            best, reason = fast, "shorter-wait"
         if len(replicas) > 1 and replicas[best].waiting - min(r.waiting for r in replicas) >= self.slack:
             a, b = self._rng.sample(range(len(replicas)), 2)
-            best = min((a, b), key=lambda i: (work[i], -hits[i]))
+            best = min((a, b), key=lambda i: (steps[i], -hits[i]))
             reason = "overloaded"
         pick = replicas[best]
         pick.sent_tokens += n - hits[best]

@@ -27,7 +27,8 @@ from test_kv_properties import oracle_hit
 def replica_of(rank: int, engine) -> tuple[Replica, EventPublisher]:
     pub = EventPublisher(engine.manager.specs, rank)
     pub.attach(engine.manager)
-    return Replica(rank, f"engine-{rank}", ready=True, rule=HitRule(engine.manager.specs)), pub
+    return Replica(rank, f"engine-{rank}", ready=True, rule=HitRule(engine.manager.specs),
+                   step_tokens=engine.config.max_num_batched_tokens), pub
 
 
 def brute_force_hit(manager, prompt: list[int]) -> int:
@@ -95,22 +96,76 @@ def hybrid_replicas(prompt: list[int], holders: tuple[int, ...]) -> list[Replica
 PROMPT = SHARED[0] * 3          # 60 tokens: 15 blocks of 4
 
 
-def test_equal_hits_go_to_the_least_work_and_an_overloaded_best_hit_is_passed_over():
-    replicas = hybrid_replicas(PROMPT, holders=(0, 2))
+def test_the_estimated_time_to_first_token_counts_engine_steps():
+    r = Replica(0, "e0", step_tokens=16)
+    assert [r.wait_steps(u) for u in (0, 1, 16, 17, 62)] == [1, 1, 1, 2, 4]   # never less than one step
+    r.backlog, r.sent_tokens = 30, 10            # reported backlog + uncached tokens sent since the report
+    assert r.wait_tokens(2) == 42 and r.wait_steps(2) == 3
+    r.running = 8                                # 8 decodes take 8 of each step's 16 tokens
+    assert r.steps_for(60) == 8 and r.wait_steps(2) == 6
+    r.running = 40                               # more running requests than budget: one token a step
+    assert r.steps_for(5) == 5
+
+
+def test_equal_hits_go_to_the_fewest_estimated_steps():
+    replicas = hybrid_replicas(PROMPT, holders=(0, 2))   # budget 16 tokens a step
     ask = PromptHashes(PROMPT + [1, 1])            # 62 tokens: 60 cached on replicas 0 and 2, 2 to compute
-    router = PrefixAware(slack=4)
+    router = PrefixAware()
     replicas[0].backlog, replicas[2].backlog = 30, 10
-    choice = router.choose(replicas, ask)          # work ahead of its first token: 32, 62, 12
+    choice = router.choose(replicas, ask)          # steps to its first token: 2 (32 tokens), 4 (62), 1 (12)
     assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (2, 60, "best-hit")
     assert replicas[2].sent_tokens == 2            # counted until its next report
     replicas[2].backlog, replicas[2].sent_tokens = 100, 0
-    assert router.choose(replicas, ask).replica.rank == 0   # 32, 62, 102: the other holder
+    assert router.choose(replicas, ask).replica.rank == 0   # 2, 4, 7 steps: the other holder
     replicas[0].sent_tokens = 0
+    replicas[0].backlog = 40                       # 3 steps (42 tokens) against 1 (12): a tie of steps is
+    replicas[2].backlog = 10                       # broken by the pool, then round the ranks
+    assert router.choose(replicas, ask).replica.rank == 2
+
+
+@pytest.mark.parametrize("move_cost, stays_at, leaves_at", [(2.0, 190, 191), (1.0, 126, 127)])
+def test_a_long_queue_gives_up_its_hit_when_the_estimated_wait_saved_exceeds_the_work_added(
+        move_cost, stays_at, leaves_at):
+    replicas = hybrid_replicas(PROMPT, holders=(1,))     # budget 16 tokens a step
+    ask = PromptHashes(PROMPT + [1, 1])            # 62 tokens: 60 cached on replica 1 only
+    router = PrefixAware(move_cost=move_cost)
+    # a cold replica: 62 tokens, 4 steps. Moving adds the 60-token hit to the cluster's work: 4 steps,
+    # times move_cost. The holder keeps the request while its wait is at most 4 + 4 x move_cost steps.
+    replicas[1].backlog = stays_at                 # (stays_at + 2) / 16 -> 12 or 8 steps: stays
+    choice = router.choose(replicas, ask)
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (1, 60, "best-hit")
+    replicas[1].sent_tokens = 0
+    replicas[1].backlog = leaves_at                # one step more: it goes to a cold replica (the two tie;
+    choice = router.choose(replicas, ask)          # round the ranks after replica 1: replica 2)
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (2, 0, "shorter-wait")
+    assert choice.replica.sent_tokens == 62
+
+
+def test_running_decodes_slow_the_cold_replicas_and_a_waiting_queue_keeps_the_hit():
+    replicas = hybrid_replicas(PROMPT, holders=(1,))
+    ask = PromptHashes(PROMPT + [1, 1])
+    router = PrefixAware()
+    replicas[1].backlog = 360                      # 23 steps to its first token on the holder
+    replicas[0].running = replicas[2].running = 8  # 8 tokens a step left for prefill: 62 tokens, 8 steps;
+    choice = router.choose(replicas, ask)          # the move adds 60 tokens, 8 steps: 23 - 8 <= 2 x 8
+    assert (choice.replica.rank, choice.reason) == (1, "best-hit")
+    replicas[1].sent_tokens = 0
+    replicas[0].running = replicas[2].running = 0  # now 4 steps, and 23 - 4 > 2 x 4: it would move, but a
+    replicas[1].waiting = 1                        # request waits for admission there (KV room, a batch
+    choice = router.choose(replicas, ask)          # slot): its backlog does not say when it starts
+    assert (choice.replica.rank, choice.reason) == (1, "best-hit")
+
+
+def test_an_overloaded_best_hit_is_passed_over_for_the_shorter_estimate_of_two_random_replicas():
+    replicas = hybrid_replicas(PROMPT, holders=(0, 2))
+    ask = PromptHashes(PROMPT + [1, 1])
+    router = PrefixAware(slack=4)
     replicas[0].waiting, replicas[2].waiting, replicas[1].waiting = 3, 5, 0
     assert router.choose(replicas, ask).replica.rank == 0   # 3 waiting more than replica 1: within the slack
     replicas[0].waiting = 4
     # both holders have 4 or more requests waiting for admission than replica 1: overloaded, so the one
-    # with less work of two random replicas (the holders' backlogs were made large)
+    # with fewer estimated steps of two random replicas (the holders' backlogs were made large: 13 steps
+    # against the cold replica's 4)
     replicas[0].backlog = replicas[2].backlog = 200
     choices = []
     for _ in range(30):
@@ -140,7 +195,7 @@ def test_a_cold_prompt_goes_to_the_least_work_and_a_sliding_hit_needs_only_the_w
     replicas = hybrid_replicas(PROMPT, holders=(1,))
     router = PrefixAware()
     replicas[0].backlog, replicas[1].backlog, replicas[2].backlog = 500, 0, 100
-    cold = router.choose(replicas, PromptHashes([3, 3, 3] * 10))
+    cold = router.choose(replicas, PromptHashes([3, 3, 3] * 10))   # 34, 2 and 9 steps of 16 tokens
     assert (cold.replica.rank, cold.hit_tokens, cold.reason) == (1, 0, "least-loaded")
     # a sliding-only layout (Mistral-like, W 12, blocks of 4): a replica that lost the prompt's first blocks
     # still grants the hit, which only needs the last ceil(11/4) = 3 blocks before it
