@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.kv_events import EventPublisher, KVIndex
+from cluster.kv_events import EventPublisher
 from cluster.router import (LeastLoaded, PrefixAware, PromptHashes, RayPrefixTree, Replica, RoundRobin,
                             common_prefix_tokens, make_router, prefix_hit, split_hashes)
 from cluster.scheduler import SamplingParams
