@@ -16,7 +16,6 @@ import collections
 import os
 import statistics
 import sys
-from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,9 +44,8 @@ def tier_of(pool: BlockPool, block) -> str:
 
 
 def arrival_hit(mgr, req) -> int:
-    """The manager's hit rule (``HitRule`` over each group's search), without counting or learning."""
-    co = mgr.coordinator
-    return co.rule.longest([partial(g.longest_hit, req) for g in co.groups], req.num_tokens - 1)
+    """The hit the manager would grant now, without counting or learning."""
+    return mgr.coordinator.hit_length(req, req.num_tokens - 1)
 
 
 def hit_units(mgr, req, h: int) -> int:

@@ -62,9 +62,14 @@ class GroupCoordinator:
         # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
         self._quiet: dict[str, tuple[int, int, int]] = {}
 
+    def hit_length(self, request: Request, max_tokens: int) -> int:
+        """The largest hit every group accepts (``HitRule``), a multiple of ``alignment``, at most
+        ``max_tokens``; only searches (the free queue learns nothing, no block is taken)."""
+        return self.rule.longest([partial(g.longest_hit, request) for g in self.groups], max_tokens)
+
     def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
-        """The largest hit every group accepts (``HitRule``), a multiple of ``alignment``, at most ``max_tokens``."""
-        h = self.rule.longest([partial(g.longest_hit, request) for g in self.groups], max_tokens)
+        """``hit_length``'s blocks; the free queue notes the lookup (where hits land, forks)."""
+        h = self.hit_length(request, max_tokens)
         for bs in self._block_sizes:
             hashes = request.block_hashes(bs, 0)
 
