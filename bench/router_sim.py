@@ -10,6 +10,7 @@ the answer's last token. TTFT is arrival to the first token's step end.
 
     python bench/router_sim.py --workload chat --seeds 0,1,2,3,4
     python bench/router_sim.py --workload qa --seeds 0,1,2,3,4
+    python bench/router_sim.py --workload chat --shared-prefixes 1,2,3,6,12 --seeds 0,1,2,3,4 --plot sweep.png
 """
 from __future__ import annotations
 
@@ -123,29 +124,8 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
             "preemptions": sum(e.scheduler.num_preemptions for e in engines), "reasons": reasons}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=tuple(WORKLOADS), default="chat")
-    p.add_argument("--model", default="gemma-3-27b")
-    p.add_argument("--gpu", default="H100-80GB")
-    p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("--kv-memory-gib", type=float, default=6.0)
-    p.add_argument("--duration", type=float, default=20.0)
-    p.add_argument("--shared-prefixes", type=int, default=None, help="chat's system prompts or qa's documents")
-    p.add_argument("--popularity", type=float, default=None)
-    p.add_argument("--rate", type=float, default=None)
-    p.add_argument("--sessions", type=int, default=None)
-    p.add_argument("--routers", default=",".join(ROUTERS))
-    p.add_argument("--seeds", default="0", help="workload seeds, e.g. 0,1,2,3,4: one run each, then the means")
-    args = p.parse_args(argv)
-    knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
-    for k in ("popularity", "rate", "sessions"):
-        if getattr(args, k) is not None:
-            knobs[k] = getattr(args, k)
-    if args.shared_prefixes is not None:
-        knobs["system_prompts" if args.workload == "chat" else "documents"] = args.shared_prefixes
-    seeds = [int(x) for x in args.seeds.split(",")]
-    routers = args.routers.split(",")
+def run_seeds(args, knobs: dict, seeds: list[int], routers: list[str]) -> dict[str, dict]:
+    """One run per seed and router, each printed as it ends; the means per router."""
     print(f"{args.workload} {knobs} on {args.replicas} x {args.model} ({args.gpu}), simulated time, seeds {seeds}")
     print(f"{'router':>16} {'seed':>4} {'done':>5} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/GPU-s':>10} "
           f"{'preempt':>8}  requests per replica, routing")
@@ -158,14 +138,91 @@ def main(argv=None) -> int:
             results[name].append(out)
             print(f"{name:>16} {seed:>4} {out['completed']:>5} {out['hit_rate']:>9.1%} {out['ttft_p50'] * 1e3:>8.0f}m "
                   f"{out['ttft_p99'] * 1e3:>8.0f}m {out['tokens_per_gpu_s']:>10.1f} {out['preemptions']:>8}  "
-                  f"{out['per_replica']}  {', '.join(f'{k} {v}' for k, v in sorted(out['reasons'].items()))}")
+                  f"{out['per_replica']}  {', '.join(f'{k} {v}' for k, v in sorted(out['reasons'].items()))}",
+                  flush=True)
+    means = {name: {key: sum(o[key] for o in outs) / len(outs)
+                    for key in ("hit_rate", "ttft_p50", "ttft_p99", "tokens_per_gpu_s")}
+             for name, outs in results.items()}
     if len(seeds) > 1:
         print(f"\nmeans over {len(seeds)} seeds")
-        for name, outs in results.items():
-            def mean(key):
-                return sum(o[key] for o in outs) / len(outs)
-            print(f"{name:>16}      {'':>5} {mean('hit_rate'):>9.1%} {mean('ttft_p50') * 1e3:>8.0f}m "
-                  f"{mean('ttft_p99') * 1e3:>8.0f}m {mean('tokens_per_gpu_s'):>10.1f}")
+        for name, m in means.items():
+            print(f"{name:>16}      {'':>5} {m['hit_rate']:>9.1%} {m['ttft_p50'] * 1e3:>8.0f}m "
+                  f"{m['ttft_p99'] * 1e3:>8.0f}m {m['tokens_per_gpu_s']:>10.1f}")
+    return means
+
+
+def plot_sweep(path: str, workload: str, counts: list[int], sweep: list[dict[str, dict]]) -> None:
+    """TTFT p50 and p99 (log scale) and hit rate against the number of shared prefixes, one line per router."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for name in sweep[0]:
+        for ax, key, scale in zip(axes, ("ttft_p50", "ttft_p99", "hit_rate"), (1e3, 1e3, 100)):
+            ax.plot(counts, [m[name][key] * scale for m in sweep], marker="o", label=name)
+    for ax, title in zip(axes, ("TTFT p50, ms", "TTFT p99, ms", "prefix hit rate, %")):
+        ax.set_title(title)
+        ax.set_xlabel("system prompts" if workload == "chat" else "documents")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{workload}: routers against the number of shared prefixes (simulated time, means over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default="chat")
+    p.add_argument("--model", default="gemma-3-27b")
+    p.add_argument("--gpu", default="H100-80GB")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--kv-memory-gib", type=float, default=6.0)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--shared-prefixes", default=None,
+                   help="chat's system prompts or qa's documents; several (1,2,3,6) run one after the other")
+    p.add_argument("--popularity", type=float, default=None)
+    p.add_argument("--rate", type=float, default=None)
+    p.add_argument("--sessions", type=int, default=None)
+    p.add_argument("--routers", default=",".join(ROUTERS))
+    p.add_argument("--seeds", default="0", help="workload seeds, e.g. 0,1,2,3,4: one run each, then the means")
+    p.add_argument("--plot", default=None, help="with several --shared-prefixes: write their means here (PNG)")
+    args = p.parse_args(argv)
+    knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
+    for k in ("popularity", "rate", "sessions"):
+        if getattr(args, k) is not None:
+            knobs[k] = getattr(args, k)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    routers = args.routers.split(",")
+    unknown = sorted(set(routers) - set(ROUTERS))
+    if unknown:
+        p.error(f"--routers: unknown {', '.join(unknown)}; choose from {', '.join(ROUTERS)}")
+    if args.shared_prefixes is None:
+        run_seeds(args, knobs, seeds, routers)
+        return 0
+    try:
+        counts = [int(x) for x in args.shared_prefixes.split(",")]
+    except ValueError:
+        p.error(f"--shared-prefixes: integers separated by commas, got {args.shared_prefixes!r}")
+    if min(counts) < 1:
+        p.error("--shared-prefixes: each must be >= 1")
+    key = "system_prompts" if args.workload == "chat" else "documents"
+    sweep = []
+    for count in counts:
+        sweep.append(run_seeds(args, {**knobs, key: count}, seeds, routers))
+        print()
+    if len(counts) > 1:
+        print(f"{key:>16}  " + "  ".join(f"{name:>26}" for name in routers))
+        print(f"{'':>16}  " + "  ".join(f"{'hit  p50  p99':>26}" for _ in routers))
+        for count, m in zip(counts, sweep):
+            print(f"{count:>16}  " + "  ".join(
+                f"{m[name]['hit_rate']:>10.1%} {m[name]['ttft_p50'] * 1e3:>6.0f}m {m[name]['ttft_p99'] * 1e3:>6.0f}m"
+                for name in routers))
+        if args.plot:
+            plot_sweep(args.plot, args.workload, counts, sweep)
     return 0
 
 

@@ -400,7 +400,8 @@ def prometheus_text(per_replica: dict[int, dict | None], replicas: ReplicaSet | 
     if replicas is not None:
         rank = {x.name: x.rank for x in replicas.replicas}
         family("swakv_router_requests_total", "counter", f"Requests routed by this app ({replicas.router.name} "
-               "router), by replica and reason (best-hit, overloaded, least-loaded, round-robin, sibling, ...).",
+               "router), by replica and reason (best-hit, overloaded, kv-full, least-loaded, round-robin, "
+               "sibling, ...).",
                [(f'{{replica="{rank[name]}",reason="{reason}"}}', n)
                 for (name, reason), n in sorted(replicas.routed.items())])
         family("swakv_router_expected_hit_tokens_total", "counter",

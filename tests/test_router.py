@@ -156,25 +156,62 @@ def test_running_decodes_slow_the_cold_replicas_and_a_waiting_queue_keeps_the_hi
     assert (choice.replica.rank, choice.reason) == (1, "best-hit")
 
 
-def test_an_overloaded_best_hit_is_passed_over_for_the_shorter_estimate_of_two_random_replicas():
+def test_an_overloaded_holder_passes_a_request_on_only_where_it_loses_at_most_four_steps_of_hit():
     replicas = hybrid_replicas(PROMPT, holders=(0, 2))
     ask = PromptHashes(PROMPT + [1, 1])
     router = PrefixAware(slack=4)
     replicas[0].waiting, replicas[2].waiting, replicas[1].waiting = 3, 5, 0
     assert router.choose(replicas, ask).replica.rank == 0   # 3 waiting more than replica 1: within the slack
     replicas[0].waiting = 4
-    # both holders have 4 or more requests waiting for admission than replica 1: overloaded, so the one
-    # with fewer estimated steps of two random replicas (the holders' backlogs were made large: 13 steps
-    # against the cold replica's 4)
-    replicas[0].backlog = replicas[2].backlog = 200
-    choices = []
-    for _ in range(30):
-        choices.append(router.choose(replicas, ask))
+    # both holders have 4 or more requests waiting for admission than replica 1: overloaded. Replica 1
+    # has none of the 60-token hit, and 60 tokens are within four of its 16-token steps: it takes it
+    choice = router.choose(replicas, ask)
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (1, 0, "overloaded")
+    # a hit longer than four steps' prefill stays with its holder, however long the queue there: moving
+    # it would cost the cluster its whole prefill again
+    longer = SHARED[0] * 4                          # 80 tokens, 5 steps of 16
+    replicas = hybrid_replicas(longer, holders=(0,))
+    replicas[0].waiting = 9
+    choice = router.choose(replicas, PromptHashes(longer + [1, 1]))
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (0, 80, "best-hit")
+
+
+def test_an_overloaded_holder_draws_two_of_the_replicas_it_may_escape_to_and_takes_the_shorter_estimate():
+    replicas = hybrid_replicas(PROMPT, holders=(0,)) + hybrid_replicas(PROMPT, holders=())[:1]
+    for rank, r in enumerate(replicas):
+        r.rank, r.name = rank, f"engine-{rank}"
+    replicas[0].waiting = 6                        # replicas 1, 2 and 3 are cold, with nothing waiting
+    replicas[1].backlog, replicas[2].backlog, replicas[3].backlog = 0, 100, 200   # 4, 11 and 17 steps
+    picks = []
+    for _ in range(60):
+        choice = PrefixAware(slack=4, seed=len(picks)).choose(replicas, PromptHashes(PROMPT + [1]))
+        assert choice.reason == "overloaded"
+        picks.append(choice.replica.rank)
         for r in replicas:
             r.sent_tokens = 0
-    assert {c.reason for c in choices} == {"overloaded"}
-    assert {c.replica.rank for c in choices if c.hit_tokens == 0} == {1}    # the cold replica is replica 1
-    assert sum(c.replica.rank == 1 for c in choices) >= 15                # drawn in 2 of every 3 pairs
+    # the least work of two drawn from three: replica 1 whenever drawn (2 pairs of 3), else replica 2;
+    # replica 3 never, as it loses every pair
+    assert set(picks) == {1, 2}
+    assert picks.count(1) > picks.count(2)
+
+
+def test_a_holder_whose_kv_pool_is_nearly_full_passes_a_request_to_a_replica_with_room():
+    replicas = hybrid_replicas(PROMPT, holders=(0,))
+    ask = PromptHashes(PROMPT + [1, 1])
+    router = PrefixAware(kv_full=0.8, kv_roomy=0.5)
+    replicas[0].kv_usage, replicas[1].kv_usage, replicas[2].kv_usage = 0.85, 0.55, 0.6
+    assert router.choose(replicas, ask).replica.rank == 0      # nobody has room: it keeps its 60-token hit
+    replicas[2].kv_usage = 0.3
+    choice = router.choose(replicas, ask)                       # replica 2 has room, and 60 tokens are
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (2, 0, "kv-full")   # within 8 steps
+    replicas[0].kv_usage = 0.79                                 # below kv_full: the hit wins again
+    assert router.choose(replicas, ask).replica.rank == 0
+    # a hit longer than eight 16-token steps stays on the full pool: the move would cost more than its room
+    longer = SHARED[0] * 7                                      # 140 tokens
+    replicas = hybrid_replicas(longer, holders=(0,))
+    replicas[0].kv_usage, replicas[1].kv_usage = 0.95, 0.1
+    choice = router.choose(replicas, PromptHashes(longer + [1]))
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (0, 140, "best-hit")
 
 
 def test_a_burst_for_one_new_prefix_goes_where_it_is_being_prefilled():
