@@ -21,7 +21,7 @@ makes no event until it is reused.
 """
 from __future__ import annotations
 
-from .free_queue import FreeQueue
+from .free_queue import LAST_MESSAGE_TOKENS, FreeQueue
 
 NULL_BLOCK_ID = 0
 
@@ -48,14 +48,15 @@ class Block:
 class BlockPool:
     """``num_blocks`` units (the null unit included) drawn by groups of the given ``widths``."""
 
-    def __init__(self, num_blocks: int, num_groups: int, widths: tuple[int, ...] | None = None):
+    def __init__(self, num_blocks: int, num_groups: int, widths: tuple[int, ...] | None = None,
+                 last_message_tokens: int = LAST_MESSAGE_TOKENS):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
         self.num_blocks = num_blocks
         self.widths = tuple(widths) if widths is not None else (1,) * num_groups
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        self.free = FreeQueue(self.blocks[1:], self.widths)
+        self.free = FreeQueue(self.blocks[1:], self.widths, last_message_tokens)
         # Per group: block hash -> {block_id: block}. Two blocks may hold equal content.
         self._cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in range(num_groups)]
         self._compositions: list[tuple[int, int, tuple[int, ...]]] = []

@@ -76,7 +76,8 @@ class KVCacheGroup:
             self.num_held -= len(freed)
             bs = self.block_size
             end = (len(request.prompt_token_ids) - 1) // bs    # a resend's hit (in blocks)
-            below_end = range(self.spec.first_needed_token(end * bs) // bs if span.start < end else end, end)
+            lowest = max(0, end * bs - self.pool.free.last_message_tokens)   # or a fork in its last message
+            below_end = range(self.spec.first_needed_token(lowest) // bs if span.start < end else end, end)
             below_fork = self._below_forks(request, span) if self.pool.free.forks else ()
             self.pool.free.add_dropped(dropped, span.start, below_fork, below_end)
 

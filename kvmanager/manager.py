@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from .block_pool import Block, BlockPool
 from .coordinator import GroupCoordinator
+from .free_queue import LAST_MESSAGE_TOKENS
 from .request import Request
 from .specs import AttentionSpec
 
@@ -36,11 +37,12 @@ class KVCacheManager:
     ``num_blocks``: pool units (the null unit included). ``widths``: units per block of each group (default
     1 each), e.g. the layers of each kind on a stage over ``S`` (``planning.kv_layout``, ``from_layout``):
     a block of a width-k group is a composite of k units; workers learn its units from
-    ``pop_compositions()``, before any table that uses it.
+    ``pop_compositions()``, before any table that uses it. ``last_message_tokens``: how far below a
+    prompt's end the free queue expects a later prompt to fork (``free_queue.LAST_MESSAGE_TOKENS``).
     """
 
     def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,
-                 max_model_len: int = 1 << 20, *, widths=None):
+                 max_model_len: int = 1 << 20, *, widths=None, last_message_tokens: int = LAST_MESSAGE_TOKENS):
         groups = list(groups)
         if not groups:
             raise ValueError("at least one KV-cache group spec is needed")
@@ -61,7 +63,8 @@ class KVCacheManager:
         self.widths = widths
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.pool = BlockPool(num_blocks, len(groups), widths)
+        _check_count("last_message_tokens", last_message_tokens)
+        self.pool = BlockPool(num_blocks, len(groups), widths, last_message_tokens)
         self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
         self._no_hit = self.coordinator.no_hit
         self.stats = CacheStats()

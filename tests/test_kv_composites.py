@@ -45,7 +45,7 @@ def test_freed_composites_are_reused_whole_by_their_kind_and_hit_whole():
 
 def test_another_kind_dissolves_a_free_composite_and_accounting_stays_in_units():
     mgr = KVCacheManager([FullAttention(block_size=1), SlidingWindow(block_size=1, window=1)], num_blocks=8,
-                         widths=(1, 2))                                                   # units 1..7
+                         widths=(1, 2), last_message_tokens=0)     # units 1..7; tiers of the prompt end alone
     a = Request("a", [1, 2])
     assert run_step(mgr, a, 2) == ([1, 2], [3, 5])
     assert mgr.pop_compositions() == [(1, 3, (3, 4)), (1, 5, (5, 6))]

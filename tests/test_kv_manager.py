@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Eviction policy
 # ---------------------------------------------------------------------------------------------------------
 def test_running_requests_dropped_blocks_are_reused_before_a_finished_requests_trailing_window():
-    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=7)    # ids 1..6
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=2)], num_blocks=7,    # ids 1..6; tiers of the
+                         last_message_tokens=0)                                   # prompt end alone
     a = Request("a", [10, 11, 12])
     assert run_step(mgr, a, 3) == ([1, 2, 3],)
     # n=3: first needed 2 -> ids 1, 2 dropped: 1 unreachable, 2 (the window below a's prompt end, 2)

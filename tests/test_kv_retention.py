@@ -116,8 +116,8 @@ def test_every_replayed_turn_hits_its_whole_prompt_on_full_plus_sliding_128():
     for c, turns in enumerate(convs):
         for t, (prompt, answer) in enumerate(turns):
             serve(mgr, Request(f"c{c}t{t}", prompt), 512, answer)
-    replays = [[serve(mgr, Request(f"replay-c{c}t{t}", prompt), 512, answer) for t, (prompt, answer) in enumerate(turns)]
-               for c, turns in enumerate(convs)]
+    replays = [[serve(mgr, Request(f"replay-c{c}t{t}", prompt), 512, answer)
+                for t, (prompt, answer) in enumerate(turns)] for c, turns in enumerate(convs)]
     assert replays == [[1888, 2192, 2496]] * 8
 
 
@@ -201,6 +201,38 @@ def test_dropped_interior_blocks_go_first_then_the_window_below_the_prompt_end_t
     assert run_step(mgr, Request("c", [80]), 1) == ([5],)                  # the speculative block next
     assert mgr.get_computed_blocks(Request("r2", resend))[1] == 0          # no window of 3 left below 8
     assert mgr.get_computed_blocks(Request("f2", follow_up))[1] == 9       # the chain is whole
+
+
+@pytest.mark.parametrize("last_message_tokens, hit", [(0, 0), (2, 6)])
+def test_a_documents_end_window_outlives_another_requests_interior_when_a_fork_in_the_last_message_is_plausible(
+        last_message_tokens, hit):
+    # W=4, B=1: a hit needs the 3 blocks below its end; ids 1..18. a: a 6-token document and a 2-token
+    # question. After 8 tokens, blocks 0..4 (ids 1..5) drop. A fork in a's last 2 tokens ends a hit at 6
+    # or 7, which needs blocks 2..6: with last_message_tokens=2, blocks 2..4 (ids 3..5) wait as
+    # speculative; without, only block 4 (id 5) does, as a resend's hit (7) needs blocks 4..6
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=4)], num_blocks=19,
+                         last_message_tokens=last_message_tokens)
+    document = [11, 12, 13, 14, 15, 16]
+    a = Request("a", document + [17, 18])
+    assert run_step(mgr, a, 8) == ([1, 2, 3, 4, 5, 6, 7, 8],)
+    assert decode(mgr, a, 19) == ([9],)
+    a.num_computed_tokens = 9
+    mgr.free(a)                                    # chain: 9, 8, 7, 6
+    # z, unrelated, takes never-used ids 10..18 and drops 10..14 the same way
+    z = Request("z", [21, 22, 23, 24, 25, 26, 27, 28])
+    assert run_step(mgr, z, 8) == ([10, 11, 12, 13, 14, 15, 16, 17],)
+    assert decode(mgr, z, 29) == ([18],)
+    z.num_computed_tokens = 9
+    mgr.free(z)                                    # chain: 18, 17, 16, 15
+    if last_message_tokens:                        # unreachable 1, 2, 10, 11; speculative 3, 4, 5, 12, 13, 14
+        assert mgr.pool.free.ids() == [1, 2, 10, 11, 3, 4, 5, 12, 13, 14, 9, 8, 7, 6, 18, 17, 16, 15]
+    else:                                          # unreachable 1..4, 10..13; speculative 5, 14
+        assert mgr.pool.free.ids() == [1, 2, 3, 4, 10, 11, 12, 13, 5, 14, 9, 8, 7, 6, 18, 17, 16, 15]
+    # a 4-token request takes the first four: z's interior, or a's document below its end
+    assert run_step(mgr, Request("c", [90, 91, 92, 93]), 4) == ([1, 2, 10, 11] if last_message_tokens
+                                                                 else [1, 2, 3, 4],)
+    # another question on the document: the hit at its end (6) needs blocks 3..5 (ids 4, 5, 6)
+    assert mgr.get_computed_blocks(Request("b", document + [31, 32]))[1] == hit
 
 
 def test_a_window_a_follow_up_consumed_goes_before_the_chain_it_extended():
@@ -370,7 +402,7 @@ def test_proven_blocks_wait_apart_lru_with_chains_then_after_every_chain_when_ke
 # ---------------------------------------------------------------------------------------------------------
 def test_a_wide_kind_composes_never_used_units_before_reusing_its_dropped_composite_then_reuses_it():
     # sliding W=1 (a hit needs no block below its end), width 2; units 1..6
-    mgr = KVCacheManager([SlidingWindow(block_size=1, window=1)], num_blocks=7, widths=(2,))
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=1)], num_blocks=7, widths=(2,), last_message_tokens=0)
     a = Request("a", [1, 2])
     assert run_step(mgr, a, 2) == ([1, 3],)
     assert mgr.pop_compositions() == [(0, 1, (1, 2)), (0, 3, (3, 4))]
