@@ -301,6 +301,22 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class EventStream(StreamingResponse):
+    """A server-sent event stream that ends when its events do or when Serve cancels the handler.
+
+    Starlette's ``StreamingResponse`` also stops at the first ``http.disconnect`` its ``receive`` returns.
+    Behind Serve that ``receive`` is a proxy of the HTTP proxy's, and Serve makes up an ``http.disconnect``
+    when the proxy no longer answers for the request (``ASGIReceiveProxy``, on a ``KeyError``). Once,
+    in a full test run, a live stream ended after its first token with neither ``[DONE]`` nor an error
+    while its client was still reading. A client that really leaves is seen by the HTTP proxy, which
+    cancels the handler; ``_sse_stream``'s ``finally`` then aborts the engine requests."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.stream_response(send)
+
+
 def _stop(engine, stream, request_id: str | None) -> None:
     """Cancel the engine's stream (its generator aborts the request) and, once the engine's id for it is
     known, abort it outright as well: that id is unique, so this can never reach another request."""
@@ -704,8 +720,7 @@ class OpenAIServer:
         wants_logprobs = params["logprobs"] is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse_stream(kind, head, choices, prompts, events, wants_logprobs,
-                                                      include_usage), media_type="text/event-stream")
+            return EventStream(self._sse_stream(kind, head, choices, prompts, events, wants_logprobs, include_usage))
         async for _ in events:
             pass
         out = []

@@ -16,10 +16,11 @@ import pytest
 import ray
 import torch
 from ray import serve
+from starlette.responses import StreamingResponse
 
 from cluster.engine_actor import NAMESPACE
 from cluster.launch import start_engine_actor, stop_engine_actor
-from cluster.serve import build_app, run
+from cluster.serve import EventStream, build_app, run
 from cluster.tokenizer import StreamDecoder, load_tokenizer
 from workers.tiny_models import build_tiny_model
 
@@ -466,6 +467,30 @@ def test_a_request_the_engine_fails_alone_gets_a_500_and_the_others_are_served(u
 def test_liveness_and_readiness(url):
     assert httpx.get(url + "/health/live", timeout=30).json() == {"status": "ok"}
     assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
+
+
+def test_an_event_stream_ignores_a_disconnect_message_and_ends_with_its_events():
+    # Serve's receive proxy can make up an http.disconnect for a client that is still reading; a real
+    # departure cancels the handler instead (the next test). Starlette's own StreamingResponse stops at it.
+    async def events():
+        for i in range(3):
+            await asyncio.sleep(0)
+            yield f"data: {i}\n\n"
+
+    async def disconnected():
+        return {"type": "http.disconnect"}
+
+    def bodies(response_class) -> list:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(response_class(events())({"type": "http", "asgi": {"spec_version": "2.3"}}, disconnected, send))
+        return [m["body"] for m in sent if m["type"] == "http.response.body"]
+
+    assert bodies(EventStream) == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert bodies(StreamingResponse) == []
 
 
 def test_client_disconnect_aborts_the_request(url):
