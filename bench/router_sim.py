@@ -8,6 +8,13 @@ cost model's time; a turn arrives, is routed (the router sees each replica's que
 backlog and cached hashes as of that moment), and its session's next turn arrives its think time after
 the answer's last token. TTFT is arrival to the first token's step end.
 
+Each run also prints the engine-step floor under the medians: a request cannot have its first token
+before the end of the first step that starts at or after its arrival (a step under way cannot take it
+in). ``floor p50`` is the median of that bound on the replica the router chose, ``at floor`` the share
+of requests that met it, and ``any p50`` the median over requests of the bound on whichever replica's
+next step ends first: what a router would get that knew every replica's step phase and lost no hit by
+moving a request.
+
     python bench/router_sim.py --workload chat --seeds 0,1,2,3,4
     python bench/router_sim.py --workload qa --seeds 0,1,2,3,4
     python bench/router_sim.py --workload chat --shared-prefixes 1,2,3,6,12 --seeds 0,1,2,3,4 --plot sweep.png
@@ -15,7 +22,9 @@ the answer's last token. TTFT is arrival to the first token's step end.
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
+import math
 import os
 import sys
 
@@ -53,6 +62,7 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
     for s in sessions:
         push(s.start_s + s.turns[0].think_s, "arrive", (s, 0, tuple(s.prefix)))
     busy = [False] * replicas
+    steps: list[list[tuple[float, float]]] = [[] for _ in range(replicas)]   # (start, end) per replica
     reasons: dict[str, int] = {}
     records: dict[str, dict] = {}
     where: dict[str, int] = {}
@@ -73,7 +83,9 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
         before = e.metrics.simulated_time_s
         updates = e.step()
         busy[r] = True
-        push(t + (e.metrics.simulated_time_s - before), "step", (r, updates))
+        end = t + (e.metrics.simulated_time_s - before)
+        steps[r].append((t, end))
+        push(end, "step", (r, updates))
 
     while events:
         t, _, kind, payload = heapq.heappop(events)
@@ -117,7 +129,17 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
     done = [x for x in records.values() if "end" in x]
     gpu_s = sum(e.metrics.simulated_time_s for e in engines)
     ttft = [x["first"] - x["arrival"] for x in done]
-    return {"completed": len(done), "hit_rate": sum(x["cached"] or 0 for x in done) / sum(x["prompt"] for x in done),
+    starts = [[a for a, _ in st] for st in steps]
+
+    def next_step_end(r: int, t: float) -> float:
+        i = bisect.bisect_left(starts[r], t)
+        return steps[r][i][1] if i < len(steps[r]) else math.inf
+
+    floor = [next_step_end(where[rid], x["arrival"]) - x["arrival"] for rid, x in records.items() if "end" in x]
+    any_floor = [min(next_step_end(r, x["arrival"]) for r in range(replicas)) - x["arrival"] for x in done]
+    return {"floor_p50": percentile(floor, 50), "any_floor_p50": percentile(any_floor, 50),
+            "at_floor": sum(f == t for f, t in zip(floor, ttft)) / len(done),
+"completed": len(done), "hit_rate": sum(x["cached"] or 0 for x in done) / sum(x["prompt"] for x in done),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "tokens_per_gpu_s": sum(len(x["tokens"]) for x in done) / gpu_s,
             "per_replica": [sum(1 for rid in where if where[rid] == r) for r in range(replicas)],
@@ -128,7 +150,7 @@ def run_seeds(args, knobs: dict, seeds: list[int], routers: list[str]) -> dict[s
     """One run per seed and router, each printed as it ends; the means per router."""
     print(f"{args.workload} {knobs} on {args.replicas} x {args.model} ({args.gpu}), simulated time, seeds {seeds}")
     print(f"{'router':>16} {'seed':>4} {'done':>5} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/GPU-s':>10} "
-          f"{'preempt':>8}  requests per replica, routing")
+          f"{'floor p50':>9} {'at floor':>8} {'any p50':>8} {'preempt':>8}  requests per replica, routing")
     results: dict[str, list[dict]] = {r: [] for r in routers}
     for seed in seeds:
         sessions = WORKLOADS[args.workload](seed=seed, **knobs)
@@ -137,17 +159,20 @@ def run_seeds(args, knobs: dict, seeds: list[int], routers: list[str]) -> dict[s
                            kv_memory=int(args.kv_memory_gib * (1 << 30)), duration_s=args.duration, seed=seed)
             results[name].append(out)
             print(f"{name:>16} {seed:>4} {out['completed']:>5} {out['hit_rate']:>9.1%} {out['ttft_p50'] * 1e3:>8.0f}m "
-                  f"{out['ttft_p99'] * 1e3:>8.0f}m {out['tokens_per_gpu_s']:>10.1f} {out['preemptions']:>8}  "
+                  f"{out['ttft_p99'] * 1e3:>8.0f}m {out['tokens_per_gpu_s']:>10.1f} {out['floor_p50'] * 1e3:>8.1f}m "
+                  f"{out['at_floor']:>8.0%} {out['any_floor_p50'] * 1e3:>7.1f}m {out['preemptions']:>8}  "
                   f"{out['per_replica']}  {', '.join(f'{k} {v}' for k, v in sorted(out['reasons'].items()))}",
                   flush=True)
     means = {name: {key: sum(o[key] for o in outs) / len(outs)
-                    for key in ("hit_rate", "ttft_p50", "ttft_p99", "tokens_per_gpu_s")}
+                    for key in ("hit_rate", "ttft_p50", "ttft_p99", "tokens_per_gpu_s", "floor_p50", "at_floor",
+                                "any_floor_p50")}
              for name, outs in results.items()}
     if len(seeds) > 1:
         print(f"\nmeans over {len(seeds)} seeds")
         for name, m in means.items():
             print(f"{name:>16}      {'':>5} {m['hit_rate']:>9.1%} {m['ttft_p50'] * 1e3:>8.0f}m "
-                  f"{m['ttft_p99'] * 1e3:>8.0f}m {m['tokens_per_gpu_s']:>10.1f}")
+                  f"{m['ttft_p99'] * 1e3:>8.0f}m {m['tokens_per_gpu_s']:>10.1f} {m['floor_p50'] * 1e3:>8.1f}m "
+                  f"{m['at_floor']:>8.0%} {m['any_floor_p50'] * 1e3:>7.1f}m")
     return means
 
 
