@@ -587,6 +587,31 @@ def _fmt(value, kind: str = "") -> str:
     return f"{value:,}"
 
 
+def _latency_rows() -> list:
+    return [(f"{title} p50 / p90 / p99, ms", lambda s, m=metric: " / ".join(
+        _fmt(s[m][q], "ms") for q in ("p50", "p90", "p99")))
+        for metric, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end"))]
+
+
+def _side_by_side(report: dict, header: list[str], rows: list, columns: dict[str, dict], col: int,
+                  notes=lambda name, run: []) -> str:
+    """The header, one column per run (``rows``: label and cell function), each run's notes, events and
+    errors, and the run's total time and the processes it left."""
+    width = max(len(label) for label, _ in rows)
+    lines = [*header, "",
+             f"{'':<{width}}  " + "  ".join(f"{name:>{col}}" for name in columns),
+             f"{'-' * width}  " + "  ".join("-" * col for _ in columns)]
+    for label, cell in rows:
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(run):>{col}}" for run in columns.values()))
+    for name, run in columns.items():
+        lines += notes(name, run)
+        lines += [f"{name}: {event}" for event in run["events"]]
+        lines += [f"{name}: error: {error}" for error in run["errors"]]
+    lines.append(f"\ntotal {report['total_wall_s']} s (cluster up in {report['cluster']['startup_s']} s); "
+                 f"cluster processes left after teardown: {report['cluster']['processes_left']}")
+    return "\n".join(lines)
+
+
 def format_router_report(report: dict) -> str:
     """The routers side by side (same arrivals): what each did to hits, latency and GPU time."""
     cfg = report["config"]
@@ -597,9 +622,7 @@ def format_router_report(report: dict) -> str:
         ("turns not sent", lambda s: _fmt(s["not_sent"])),
         ("prefix hit rate (cached / prompt tokens)", lambda s: _fmt(s["client_prefix_hit_rate"], "%")),
     ]
-    for metric, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
-        rows.append((f"{title} p50 / p90 / p99, ms", lambda s, m=metric: " / ".join(
-            _fmt(s[m][q], "ms") for q in ("p50", "p90", "p99"))))
+    rows += _latency_rows()
     rows += [
         ("throughput, output tokens/s (wall)", lambda s: _fmt(s["output_tokens_per_s"])),
         ("simulated GPU busy time, s (all replicas)", lambda s: _fmt(s.get("simulated_gpu_s"))),
@@ -613,10 +636,8 @@ def format_router_report(report: dict) -> str:
         ("replicas' stages on nodes (0 = head)",
          lambda s: " | ".join(",".join(map(str, n)) for n in s["replica_nodes"])),
     ]
-    width = max(len(label) for label, _ in rows)
-    col = max(24, *(len(r) for r in runs))
     first = next(iter(runs.values()))
-    lines = [
+    header = [
         (f"swakv loadtest: {cfg['model']} on {'CPU (real workers)' if cfg['real'] else 'simulated ' + cfg['gpu']}, "
          f"{cfg['data_parallel_size']} replicas x (TP={cfg['tensor_parallel_size']} PP={cfg['pipeline_parallel_size']}), "
          f"KV {first['engine']['kv_memory_bytes'] / (1 << 30):.3g} GiB per device, "
@@ -624,21 +645,10 @@ def format_router_report(report: dict) -> str:
         f"workload: {cfg['trace'] or cfg['workload']}, {report['workload']['sessions']} sessions / "
         f"{report['workload']['requests']} requests, seed {cfg['seed']}, the same arrivals for every router"
         + ("" if cfg["real"] else f", workers sleep simulated time x {cfg['sleep_factor']:g}"),
-        "",
-        f"{'':<{width}}  " + "  ".join(f"{r:>{col}}" for r in runs),
-        f"{'-' * width}  " + "  ".join("-" * col for _ in runs),
     ]
-    for label, cell in rows:
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(runs[r]):>{col}}" for r in runs))
-    for r, s in runs.items():
-        lines.append(f"{r}: routing " + ", ".join(f"{k} {v}" for k, v in sorted(s["router"]["reasons"].items())))
-        for event in s["events"]:
-            lines.append(f"{r}: {event}")
-        for error in s["errors"]:
-            lines.append(f"{r}: error: {error}")
-    lines.append(f"\ntotal {report['total_wall_s']} s (cluster up in {report['cluster']['startup_s']} s); "
-                 f"cluster processes left after teardown: {report['cluster']['processes_left']}")
-    return "\n".join(lines)
+    return _side_by_side(report, header, rows, runs, max(24, *(len(r) for r in runs)),
+                         lambda r, s: [f"{r}: routing " + ", ".join(
+                             f"{k} {v}" for k, v in sorted(s["router"]["reasons"].items()))])
 
 
 def format_report(report: dict) -> str:
@@ -655,9 +665,7 @@ def format_report(report: dict) -> str:
         ("simulated GPU busy time, s", lambda s: _fmt(s.get("simulated_gpu_s"))),
         ("throughput, output tokens/s (GPU time)", lambda s: _fmt(s.get("sim_output_tokens_per_s"))),
     ]
-    for metric, title in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
-        rows.append((f"{title} p50 / p90 / p99, ms", lambda s, m=metric: " / ".join(
-            _fmt(s[m][q], "ms") for q in ("p50", "p90", "p99"))))
+    rows += _latency_rows()
     rows += [
         ("running requests, mean / max", lambda s: f"{_fmt(s['mean_running'])} / {_fmt(s['max_running'])}"),
         ("waiting requests, max", lambda s: _fmt(s["max_waiting"])),
@@ -670,10 +678,8 @@ def format_report(report: dict) -> str:
          lambda s: f"{s['engine']['num_blocks']:,} ({' + '.join(map(str, s['engine']['group_widths'] or []))})"),
         ("pipeline stages on nodes (0 = head)", lambda s: ", ".join(map(str, s["engine"]["stage_nodes"]))),
     ]
-    width = max(len(label) for label, _ in rows)
-    col = 20
     kv = next(iter(report["layouts"].values()))["engine"]["kv_memory_bytes"]
-    lines = [
+    header = [
         (f"swakv loadtest: {cfg['model']} on {'CPU (real workers)' if cfg['real'] else 'simulated ' + cfg['gpu']}, "
          f"TP={cfg['tensor_parallel_size']} PP={cfg['pipeline_parallel_size']}, "
          f"KV {kv / (1 << 30):.3g} GiB per device ({'given' if cfg['kv_memory'] else 'derived'}), "
@@ -681,21 +687,8 @@ def format_report(report: dict) -> str:
         f"workload: {cfg['trace'] or cfg['workload']}, {report['workload']['sessions']} sessions / "
         f"{report['workload']['requests']} requests, seed {cfg['seed']}"
         + ("" if cfg["real"] else f", workers sleep simulated time x {cfg['sleep_factor']:g}"),
-        "",
-        f"{'':<{width}}  " + "  ".join(f"{labels[x]:>{col}}" for x in layouts),
-        f"{'-' * width}  " + "  ".join("-" * col for _ in layouts),
     ]
-    for label, cell in rows:
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{cell(report['layouts'][x]):>{col}}" for x in layouts))
-    for x in layouts:
-        s = report["layouts"][x]
-        for event in s["events"]:
-            lines.append(f"{labels[x]}: {event}")
-        for error in s["errors"]:
-            lines.append(f"{labels[x]}: error: {error}")
-    lines.append(f"\ntotal {report['total_wall_s']} s (cluster up in {report['cluster']['startup_s']} s); "
-                 f"cluster processes left after teardown: {report['cluster']['processes_left']}")
-    return "\n".join(lines)
+    return _side_by_side(report, header, rows, {labels[x]: report["layouts"][x] for x in layouts}, 20)
 
 
 def write_router_plots(report: dict, out_dir: str) -> str:
