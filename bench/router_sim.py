@@ -137,13 +137,13 @@ def simulate(router_name: str, sessions, *, model: str, gpu: str, replicas: int,
 
     floor = [next_step_end(where[rid], x["arrival"]) - x["arrival"] for rid, x in records.items() if "end" in x]
     any_floor = [min(next_step_end(r, x["arrival"]) for r in range(replicas)) - x["arrival"] for x in done]
-    return {"floor_p50": percentile(floor, 50), "any_floor_p50": percentile(any_floor, 50),
-            "at_floor": sum(f == t for f, t in zip(floor, ttft)) / len(done),
-"completed": len(done), "hit_rate": sum(x["cached"] or 0 for x in done) / sum(x["prompt"] for x in done),
+    return {"completed": len(done), "hit_rate": sum(x["cached"] or 0 for x in done) / sum(x["prompt"] for x in done),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "tokens_per_gpu_s": sum(len(x["tokens"]) for x in done) / gpu_s,
             "per_replica": [sum(1 for rid in where if where[rid] == r) for r in range(replicas)],
-            "preemptions": sum(e.scheduler.num_preemptions for e in engines), "reasons": reasons}
+            "preemptions": sum(e.scheduler.num_preemptions for e in engines), "reasons": reasons,
+            "floor_p50": percentile(floor, 50), "any_floor_p50": percentile(any_floor, 50),
+            "at_floor": sum(f == t for f, t in zip(floor, ttft)) / len(done)}
 
 
 def run_seeds(args, knobs: dict, seeds: list[int], routers: list[str]) -> dict[str, dict]:
