@@ -199,6 +199,15 @@ def plot_sweep(path: str, workload: str, counts: list[int], sweep: list[dict[str
     print(f"wrote {path}")
 
 
+def workload_knobs(args) -> dict:
+    """The load test's knobs for ``args.workload`` (``ROUTER_WORKLOADS``), with those ``args`` sets instead."""
+    knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
+    for k in ("popularity", "rate", "sessions"):
+        if getattr(args, k, None) is not None:
+            knobs[k] = getattr(args, k)
+    return knobs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=tuple(WORKLOADS), default="chat")
@@ -216,10 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0", help="workload seeds, e.g. 0,1,2,3,4: one run each, then the means")
     p.add_argument("--plot", default=None, help="with several --shared-prefixes: write their means here (PNG)")
     args = p.parse_args(argv)
-    knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
-    for k in ("popularity", "rate", "sessions"):
-        if getattr(args, k) is not None:
-            knobs[k] = getattr(args, k)
+    knobs = workload_knobs(args)
     seeds = [int(x) for x in args.seeds.split(",")]
     routers = args.routers.split(",")
     unknown = sorted(set(routers) - set(ROUTERS))

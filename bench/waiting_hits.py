@@ -24,7 +24,6 @@ import router_sim  # noqa: E402
 
 import cluster.router as router_mod  # noqa: E402
 from cluster.loadgen import WORKLOADS  # noqa: E402
-from cluster.loadtest import ROUTER_WORKLOADS  # noqa: E402
 from cluster.scheduler import Scheduler  # noqa: E402
 from kvmanager.block_pool import BlockPool  # noqa: E402
 
@@ -103,10 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--routers", default="prefix,ray-prefix-tree")
     args = p.parse_args(argv)
-    knobs = dict(ROUTER_WORKLOADS.get(args.workload, {}))
-    for k in ("rate", "sessions"):
-        if getattr(args, k) is not None:
-            knobs[k] = getattr(args, k)
+    knobs = router_sim.workload_knobs(args)
     install()
     print(f"{args.workload} {knobs}, 3 x gemma-3-27b (H100-80GB, 6 GiB KV), seeds {args.seeds}")
     for name in args.routers.split(","):
