@@ -115,6 +115,11 @@ class ReplicaSet:
         replica.backlog, replica.sent_tokens = load["prefill_backlog"], 0   # the report counts what was sent
         idx = replica.index
         if "snapshot" in reply:
+            if idx.epoch is not None and reply["epoch"] != idx.epoch:
+                # Restarted between two polls, with none of this app's calls to it failing: it was down all
+                # the same, and the router must forget what it knew of it, as after a failed call.
+                log.warning("replica %s restarted (new KV-event epoch)", replica.name)
+                self.down(replica)
             idx.load(reply["epoch"], *reply["snapshot"])
         else:
             try:

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.kv_events import EventPublisher
+from cluster.replicas import ReplicaSet
 from cluster.router import (LeastLoaded, PrefixAware, PromptHashes, RayPrefixTree, Replica, RoundRobin,
                             common_prefix_tokens, make_router, prefix_hit, split_hashes)
 from cluster.scheduler import SamplingParams
@@ -297,3 +298,28 @@ def test_unknown_router_names_are_refused():
     with pytest.raises(ValueError, match="router must be one of round-robin, least-loaded, prefix, ray-prefix-tree"):
         make_router("random")
     assert math.isinf(RayPrefixTree().imbalanced_threshold)        # Ray's default: load only breaks ties
+
+
+def test_a_replica_that_restarted_between_two_polls_counts_as_down_and_the_router_forgets_it():
+    """No call to it failed (the kill fell between two polls), but its next reply is a snapshot of a new
+    epoch: the app counts it down once and the router drops what it knew of it, as after a failed call."""
+    specs, _ = LAYOUTS["llama-4"]
+    router = RayPrefixTree()
+    replicas = ReplicaSet(["r0", "r1"], "ns", router)
+    r0 = replicas.replicas[0]
+    load = {"status": "ready", "running": 0, "waiting": 0, "kv_usage": 0.0, "prefill_backlog": 0}
+    first, restarted = EventPublisher(specs), EventPublisher(specs)
+    replicas._apply(r0, {"epoch": first.epoch, "load": load, "snapshot": first.snapshot()})
+    replicas._apply(r0, {"epoch": first.epoch, "load": load, "batches": []})   # same incarnation: nothing
+    assert (r0.ready, replicas.downs["r0"]) == (True, 0)
+    router.choose([r0], PromptHashes(list(range(1, 9))))          # the tree learns r0's text
+    assert "r0" in router.tree.tenant_to_char_count
+
+    replicas._apply(r0, {"epoch": restarted.epoch, "load": load, "snapshot": restarted.snapshot()})
+    assert replicas.downs["r0"] == 1
+    assert "r0" not in router.tree.tenant_to_char_count
+    assert (r0.ready, r0.index.epoch, r0.index.snapshots) == (True, restarted.epoch, 2)
+
+    r0.index.forget()      # a gap (missed batches) in the same incarnation: a snapshot, not a restart
+    replicas._apply(r0, {"epoch": restarted.epoch, "load": load, "snapshot": restarted.snapshot()})
+    assert replicas.downs["r0"] == 1
