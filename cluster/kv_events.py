@@ -5,7 +5,7 @@ events reads these. A batch is msgpack ``[ts, events, data_parallel_rank]``; eac
 ``type`` names it:
 
 - ``BlockStored``: ``block_hashes`` (consecutive blocks of one request), ``parent_block_hash`` (None for
-  a request's first block), ``token_ids``, ``block_size``, ``lora_id``, ``medium`` ("GPU"),
+  a request's first block), ``token_ids`` (the blocks' tokens, ``block_size`` per hash), ``block_size``, ``lora_id``, ``medium`` ("GPU"),
   ``lora_name``, ``group_idx``, ``kv_cache_spec_kind`` ("full_attention", "sliding_window",
   "chunked_local_attention"), ``kv_cache_spec_sliding_window``; and two fields of ours that vLLM's
   decoder ignores: ``block_index`` (the first hash's block in its request: tokens ``block_index *
@@ -13,9 +13,10 @@ events reads these. A batch is msgpack ``[ts, events, data_parallel_rank]``; eac
 - ``BlockRemoved``: ``block_hashes``, ``medium``, ``group_idx``.
 - ``AllBlocksCleared``.
 
-Differences from vLLM: ``token_ids`` is empty, because hashes are swakv's own chained SHA-256
-(``kvmanager.hashing``) and a consumer that wants to match a prompt hashes its tokens the same way (a
-32k-token prompt's ids would cost more than all the hashes); and events are per hash, not per block: a
+The hashes are swakv's own chained SHA-256 (``kvmanager.hashing``); ``token_ids`` lets a consumer with
+its own hash (llm-d's, Dynamo's indexers) index the blocks its way. ``bench/kv_events_vllm.py`` checks
+that vLLM 0.33's own event classes decode these batches. Difference from vLLM: events are per hash, not
+per block: a
 group's set of hashes gains one on its first block holding it and loses it when the last such block is
 reused, so applying the events in order gives exactly the set the manager can hit. A block that a
 request's window has left stays cached until it is reused: it makes no event.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from collections import deque
 
 
@@ -75,7 +77,8 @@ class EventPublisher:
         self.epoch = uuid.uuid4().hex
         self.seq = 0                          # number of the last batch; 0: none yet
         self.groups = group_metadata(specs)
-        self._known: list[dict[bytes, tuple[bytes | None, int]]] = [{} for _ in self.groups]  # for snapshots
+        # per group: hash -> (parent, block index, its tokens), for snapshots
+        self._known: list[dict[bytes, tuple[bytes | None, int, array]]] = [{} for _ in self.groups]
         self._pending: list[dict] = []
         self._batches: deque[tuple[int, bytes]] = deque(maxlen=keep_batches)
 
@@ -92,14 +95,15 @@ class EventPublisher:
         return [len(known) for known in self._known]
 
     # -- the sink ---------------------------------------------------------------------------------
-    def stored(self, group: int, block_hash: bytes, parent: bytes | None, index: int) -> None:
-        self._known[group][block_hash] = (parent, index)
+    def stored(self, group: int, block_hash: bytes, parent: bytes | None, index: int, token_ids=()) -> None:
+        self._known[group][block_hash] = (parent, index, array("q", token_ids))
         last = self._pending[-1] if self._pending else None
         if (last is not None and last["type"] == "BlockStored" and last["group_idx"] == group
                 and last["block_hashes"][-1] == parent and last["block_index"] + len(last["block_hashes"]) == index):
             last["block_hashes"].append(block_hash)     # the next block of the same request
+            last["token_ids"] += token_ids
         else:
-            self._pending.append(self._stored(group, [block_hash], parent, index))
+            self._pending.append(self._stored(group, [block_hash], parent, index, list(token_ids)))
 
     def removed(self, group: int, block_hash: bytes) -> None:
         self._known[group].pop(block_hash, None)
@@ -115,9 +119,9 @@ class EventPublisher:
             known.clear()
         self._pending = [{"type": "AllBlocksCleared"}]   # what was pending before is moot
 
-    def _stored(self, group: int, hashes: list[bytes], parent: bytes | None, index: int) -> dict:
+    def _stored(self, group: int, hashes: list[bytes], parent: bytes | None, index: int, token_ids: list[int]) -> dict:
         m = self.groups[group]
-        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": [],
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
                 "block_size": m["block_size"], "lora_id": None, "medium": MEDIUM, "lora_name": None,
                 "group_idx": group, "kv_cache_spec_kind": m["kind"],
                 "kv_cache_spec_sliding_window": m["sliding_window"],
@@ -149,12 +153,13 @@ class EventPublisher:
         events: list[dict] = [{"type": "AllBlocksCleared"}]
         for g, known in enumerate(self._known):
             run = None
-            for block_hash, (parent, index) in known.items():   # insertion order keeps a request's chain together
+            for block_hash, (parent, index, tokens) in known.items():   # insertion order keeps chains together
                 if run is not None and run["block_hashes"][-1] == parent \
                         and run["block_index"] + len(run["block_hashes"]) == index:
                     run["block_hashes"].append(block_hash)
+                    run["token_ids"] += tokens
                 else:
-                    run = self._stored(g, [block_hash], parent, index)
+                    run = self._stored(g, [block_hash], parent, index, tokens.tolist())
                     events.append(run)
         return self.seq, self._pack(events)
 

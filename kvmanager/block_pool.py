@@ -143,10 +143,10 @@ class BlockPool:
         return freed
 
     def cache(self, block: Block, group: int, block_hash: bytes, parent: bytes | None = None, index: int = -1,
-              learn: bool = False) -> None:
+              learn: bool = False, token_ids: list[int] | None = None) -> None:
         """Enter ``block`` (holding block ``index`` of a request, whose predecessor hashes to ``parent``, None
         for the first block) into the prefix cache; ``learn``: tell the eviction policy how the chain goes
-        on, so it learns where chains fork."""
+        on, so it learns where chains fork. ``token_ids``: the block's tokens, for ``events``."""
         if learn and parent is not None:
             self.free.learn(parent, block_hash)
         block.group = group
@@ -155,7 +155,7 @@ class BlockPool:
         if entry is None:
             self._cached[group][block_hash] = {block.block_id: block}
             if self.events is not None:
-                self.events.stored(group, block_hash, parent, index)
+                self.events.stored(group, block_hash, parent, index, token_ids or [])
         else:
             entry[block.block_id] = block
 
