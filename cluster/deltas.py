@@ -6,12 +6,17 @@ since the last step) travel once each, ahead of the tables, their units as runs 
 (``[first, count, ...]``): a composite of never-used units is one run whatever its width, so the bytes
 do not grow with the number of layers of a kind. A chunk's ``RequestStart`` (sampling spec,
 prompt length, seen tokens) is a nil on every chunk but a request's first on the workers.
+
+Prompt logprobs come back as packed little-endian arrays (float32 logprobs, int32 top ids, float32 top
+logprobs), not msgpack lists: a scored 32k-token prompt with its top 20 is a few MB of bytes, not a
+million boxed numbers; the values are float32 on the worker, so nothing is lost.
 """
 from __future__ import annotations
 
 from dataclasses import fields
 
 import msgpack
+import numpy as np
 
 from workers.protocol import RequestError, RequestStart, SamplingSpec, ScheduledChunk, StepInput, StepOutput
 
@@ -83,12 +88,27 @@ def decode_step(payload: bytes) -> StepInput:
         [(g, block_id, _unpack_runs(runs)) for g, block_id, runs in compositions])
 
 
+def _pack_prompt_logprobs(entry) -> list:
+    start, values, top_ids, top_values = entry
+    k = len(top_ids[0]) if top_ids else 0
+    return [start, k, np.asarray(values, "<f4").tobytes(), np.asarray(top_ids, "<i4").reshape(-1).tobytes(),
+            np.asarray(top_values, "<f4").reshape(-1).tobytes()]
+
+
+def _unpack_prompt_logprobs(packed) -> tuple:
+    start, k, values, top_ids, top_values = packed
+    n = len(values) // 4
+    rows = (np.frombuffer(top_ids, "<i4").reshape(n, k).tolist(), np.frombuffer(top_values, "<f4").reshape(n, k).tolist())
+    return start, np.frombuffer(values, "<f4").tolist(), *rows
+
+
 def encode_output(out: StepOutput) -> bytes:
+    prompt = {rid: _pack_prompt_logprobs(e) for rid, e in out.prompt_logprobs.items()}
     return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s, out.logprobs, out.failed,
-                          out.device_time_s])
+                          out.device_time_s, prompt])
 
 
 def decode_output(payload: bytes) -> StepOutput:
-    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s = msgpack.unpackb(payload)
+    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s, prompt = msgpack.unpackb(payload)
     return StepOutput(step_id, sampled, simulated_time_s, {rid: tuple(entry) for rid, entry in logprobs.items()},
-                      failed, device_time_s)
+                      failed, device_time_s, {rid: _unpack_prompt_logprobs(e) for rid, e in prompt.items()})

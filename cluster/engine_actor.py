@@ -106,7 +106,8 @@ class EngineService:
     async def generate(self, label: str, prompt_token_ids: list[int], params: dict | None = None,
                        block_hashes: dict[int, bytes] | None = None):
         """Yields ``{"request_id", "token_ids", "finished", "finish_reason", "logprobs", "num_cached_tokens",
-        "error", "error_type"}`` (``logprobs``: per token, raw logprob, top ids, top logprobs);
+        "error", "error_type", "prompt_logprobs"}`` (``logprobs``: per token, raw logprob, top ids, top
+        logprobs; ``prompt_logprobs``: the same per prompt position, continuing from the last item's);
         ``request_id`` is the engine's own (``label#n``), what ``abort`` takes. A request that fails
         ends with finish_reason "error", ``error`` saying why and ``error_type`` one of request_failed,
         engine_unavailable, server_shutting_down. ``block_hashes``: the prompt's leading block hashes per
@@ -210,6 +211,7 @@ class EngineService:
                 queue.put_nowait({"request_id": u.request_id, "token_ids": u.new_token_ids, "finished": u.finished,
                                   "finish_reason": u.finish_reason, "logprobs": u.logprobs,
                                   "num_cached_tokens": u.num_cached_tokens, "error": u.error,
+                                  "prompt_logprobs": u.prompt_logprobs,
                                   "error_type": error_type if u.error else None})
 
     async def _run(self) -> None:

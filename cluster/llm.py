@@ -150,6 +150,8 @@ class CompletionOutput:
     finish_reason: str                   # length | stop | error
     text: str | None = None
     error: str | None = None             # why, when finish_reason is "error"
+    # with prompt_logprobs: None for position 0, then (raw logprob, top ids, top logprobs) per prompt token
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -174,18 +176,21 @@ class LLM:
         return self._tokenizer
 
     def generate(self, prompts, max_tokens: int = 32, temperature: float = 0.0, seed: int | None = None,
-                 stop_token_ids=(), ignore_eos: bool = False, use_tqdm: bool = False) -> list[CompletionOutput]:
+                 stop_token_ids=(), ignore_eos: bool = False, use_tqdm: bool = False,
+                 prompt_logprobs: int | None = None) -> list[CompletionOutput]:
         """Prompts: lists of token ids, or strings (tokenized with the model's tokenizer).
 
         Generation stops at the model's EOS (``generation_config.json`` / config ``eos_token_id``, kept in
         the output as transformers does) unless ``ignore_eos``, or at ``stop_token_ids``. Without a
         ``seed`` every request draws its own randomness; with one, every request samples with that seed
-        (as vLLM's ``SamplingParams.seed``), so results are reproducible."""
+        (as vLLM's ``SamplingParams.seed``), so results are reproducible. ``prompt_logprobs=k`` scores each
+        prompt token (its raw logprob given the tokens before it, and the top k); with ``max_tokens=0`` the
+        prompt is only scored."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
             raise TypeError("prompts must be a list of prompts (strings or lists of token ids)")
         stop = tuple(stop_token_ids) + (() if ignore_eos else tuple(self.info.get("eos_token_ids", ())))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                stop_token_ids=tuple(dict.fromkeys(stop)))
+                                stop_token_ids=tuple(dict.fromkeys(stop)), prompt_logprobs=prompt_logprobs)
         texts = [isinstance(p, str) for p in prompts]
         token_prompts = [self.tokenizer.encode(p) if t else list(p) for p, t in zip(prompts, texts)]
         ids = []
@@ -202,6 +207,7 @@ class LLM:
                 self.engine.abort(rid)
             raise
         outputs = {rid: [] for rid in ids}
+        scored = {rid: [None] for rid in ids}
         reasons, errors = {}, {}
         progress = None
         if use_tqdm:
@@ -213,6 +219,7 @@ class LLM:
             for update in self.engine.step():
                 if update.request_id in outputs:
                     outputs[update.request_id].extend(update.new_token_ids)
+                    scored[update.request_id].extend(update.prompt_logprobs or ())
                     if update.finished:
                         reasons[update.request_id] = update.finish_reason
                         errors[update.request_id] = update.error
@@ -221,5 +228,6 @@ class LLM:
         if progress:
             progress.close()
         return [CompletionOutput(rid, tokens, outputs[rid], reasons[rid],
-                                 self.tokenizer.decode(outputs[rid]) if is_text else None, errors[rid])
+                                 self.tokenizer.decode(outputs[rid]) if is_text else None, errors[rid],
+                                 scored[rid] if prompt_logprobs is not None else None)
                 for rid, tokens, is_text in zip(ids, token_prompts, texts)]

@@ -23,6 +23,12 @@ context) is left out. Its blocks for that position are allocated before the toke
 manager allows (it caches only blocks full of known tokens). ``update`` then appends the tokens: also to
 a request preempted meanwhile (its token is as valid as if it had arrived first), and a request that
 stopped on a token ends although its next chunk is already running: that chunk's result is dropped.
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): the workers score every prompt position a chunk
+computes (``workers/protocol.py``), so such a request takes no prefix-cache hit until all its positions
+are scored: a hit would leave the positions before it unscored. After a preemption it recomputes from
+position 0 and the positions already delivered are not delivered again. ``max_tokens=0`` computes the
+prompt (scoring it, if asked) and finishes without sampling.
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from workers.protocol import RequestStart, SamplingSpec, ScheduledChunk, StepInp
 class SamplingParams:
     """A request's limits and stops (the engine's) and how it samples (the workers', as ``spec``)."""
 
-    max_tokens: int | None = None          # None: the rest of the context, as far as the pool lets one request go
+    max_tokens: int | None = None          # None: the rest of the context, as far as the pool lets one request go;
+                                           # 0: compute (and score) the prompt only
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -51,11 +58,12 @@ class SamplingParams:
     logprobs: int | None = None
     seed: int | None = None                # any integer in [-2**63, 2**64); sent reduced mod 2**64
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None     # None: none; k: each prompt token's raw logprob and the top k
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+                                            or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be None or an integer >= 0, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
@@ -80,6 +88,13 @@ class Sequence:
     on_workers: bool = False              # its sampling spec was sent (and not forgotten since)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     pending: int = 0                      # tokens a launched step draws for it that ``update`` has not appended
+    num_prompt_logprobs: int = 0          # prompt positions scored and delivered (1 .. this)
+
+    @property
+    def scoring(self) -> bool:
+        """It asks for prompt logprobs and some positions are not delivered yet."""
+        return (self.params.prompt_logprobs is not None
+                and self.num_prompt_logprobs < len(self.req.prompt_token_ids) - 1)
 
     @property
     def request_id(self) -> str:
@@ -95,6 +110,8 @@ class SequenceUpdate:
     logprobs: list | None = None          # per new token: (raw logprob, top ids, top logprobs), if asked
     num_cached_tokens: int = 0
     error: str | None = None              # why, when finish_reason is "error"
+    prompt_logprobs: list | None = None   # per prompt position after those delivered before: (logprob, top ids,
+                                          # top logprobs), if asked (positions 1 .. len(prompt) - 1 in all)
 
 
 @dataclass
@@ -147,14 +164,14 @@ class Scheduler:
         if rid in self.sequences:
             raise ValueError(f"duplicate request id {rid!r}")
         limit = self.manager.max_model_len
-        if seq.req.num_tokens >= limit:
+        if seq.req.num_tokens >= limit + (seq.params.max_tokens == 0):
             raise ValueError(f"request {rid!r}: prompt of {seq.req.num_tokens} tokens leaves no room to "
                              f"generate within max_model_len={limit}")
         if seq.params.max_tokens is None:   # the rest of the context, or what the pool holds for it alone
             room = min(limit, self._pool_token_capacity()) - seq.req.num_tokens
             seq.params = dataclasses.replace(seq.params, max_tokens=max(room, 1))
         # Refuse what could never finish, instead of letting it wait or preempt itself forever.
-        total = min(seq.req.num_tokens + seq.params.max_tokens, limit)
+        total = min(seq.req.num_tokens + max(seq.params.max_tokens, 1), limit)
         need = blocks_to_finish(self.manager.specs, total, self.manager.widths)
         if need > self.manager.num_blocks - 1:
             raise ValueError(f"request {rid!r}: {total} tokens need up to {need} KV blocks, the pool has "
@@ -209,6 +226,8 @@ class Scheduler:
             i += 1
             if seq.pending and self._ends_with_pending(seq):
                 continue   # the token in flight is its last: nothing more to compute
+            if req.num_computed_tokens >= req.num_tokens + seq.pending:
+                continue   # max_tokens=0: its prompt is computed, it ends when that step is applied
             n, new = self._fit_running(seq, min(req.num_tokens + seq.pending - req.num_computed_tokens, budget), plan)
             if new is None:
                 break  # seq preempted itself; everything after it is gone too
@@ -227,7 +246,7 @@ class Scheduler:
         it does not fit). Alone, the chunk halves until it fits; ``preempt`` makes it alone if need be."""
         mgr, req = self.manager, seq.req
         while True:
-            hit, num_hit = mgr.get_computed_blocks(req)
+            hit, num_hit = mgr.get_computed_blocks(req) if not seq.scoring else (None, 0)
             n = min(req.num_tokens - num_hit, budget)
             new = mgr.allocate_slots(req, n, num_hit, hit)
             while new is None and not self.running and n > 1:
@@ -287,6 +306,8 @@ class Scheduler:
         first = None
         if not seq.on_workers:   # its first chunk since admission: the workers learn how it samples
             spec = seq.params.spec
+            if spec.prompt_logprobs is not None and not seq.scoring:
+                spec = dataclasses.replace(spec, prompt_logprobs=None)   # every position is delivered already
             num_prompt = len(req.prompt_token_ids)
             seen_from = 0 if spec.repetition_penalty != 1.0 else min(num_prompt, start)
             seen = req.all_token_ids[seen_from:start] if spec.has_penalties else []
@@ -295,7 +316,8 @@ class Scheduler:
         fed = start + n > req.num_tokens   # the token a launched step is drawing (n == 1: see module doc)
         plan.step.chunks.append(ScheduledChunk(
             request_id=req.request_id, token_ids=[0] if fed else req.all_token_ids[start:start + n], start_pos=start,
-            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens + seq.pending, start=first,
+            new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens + seq.pending and seq.params.max_tokens != 0,
+            start=first,
             from_last_step=fed))
         plan.scheduled.append(seq)
 
@@ -328,7 +350,19 @@ class Scheduler:
                 self.fail(seq.request_id, "error", failed[seq.request_id])
                 updates.append(SequenceUpdate(seq.request_id, [], True, "error", error=seq.error))
                 continue
+            end = chunk.start_pos + len(chunk.token_ids)
+            prompt = self._prompt_logprobs(seq, output.prompt_logprobs.get(seq.request_id), end)
+            if isinstance(prompt, str):
+                self.fail(seq.request_id, "error", prompt)
+                updates.append(SequenceUpdate(seq.request_id, [], True, "error", error=prompt))
+                continue
             if not chunk.sample:
+                if seq.params.max_tokens == 0 and end >= req.num_tokens:
+                    self._finish(seq, "length")
+                    updates.append(SequenceUpdate(seq.request_id, [], True, "length", None,
+                                                  seq.num_cached_tokens or 0, prompt_logprobs=prompt))
+                elif prompt:
+                    updates.append(SequenceUpdate(seq.request_id, [], False, prompt_logprobs=prompt))
                 continue
             token = output.sampled[seq.request_id]
             req.append_output_token_ids([token])
@@ -343,8 +377,29 @@ class Scheduler:
                 self._finish(seq, reason)
             logprobs = output.logprobs.get(seq.request_id)
             updates.append(SequenceUpdate(seq.request_id, [token], reason is not None, reason,
-                                          None if logprobs is None else [logprobs], seq.num_cached_tokens or 0))
+                                          None if logprobs is None else [logprobs], seq.num_cached_tokens or 0,
+                                          prompt_logprobs=prompt))
         return updates
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, entry, end: int) -> list | None | str:
+        """The prompt positions ``entry`` scores beyond those delivered (None if none); a message when they
+        do not follow on, or when the chunk ending at ``end`` completed the prompt and some positions are
+        still unscored (the request must fail: a gap would be silent)."""
+        new = None
+        if entry is not None and seq.params.prompt_logprobs is not None:
+            start, values, top_ids, top_values = entry
+            skip = seq.num_prompt_logprobs + 1 - start
+            if skip < 0:
+                return (f"prompt logprobs: the workers scored positions from {start} on, but only 1.."
+                        f"{seq.num_prompt_logprobs} were delivered")
+            new = [(v, i, t) for v, i, t in zip(values[skip:], top_ids[skip:], top_values[skip:])] or None
+            seq.num_prompt_logprobs += len(new or ())
+        req = seq.req
+        if seq.scoring and end >= len(req.prompt_token_ids):
+            return (f"prompt logprobs: positions {seq.num_prompt_logprobs + 1}..{len(req.prompt_token_ids) - 1} "
+                    "were computed but not scored")
+        return new
 
     def drop_chunk(self, plan: StepPlan, request_id: str, error: str) -> SequenceUpdate | None:
         """A step failed on one request's chunk before changing anything: fail that request and take its

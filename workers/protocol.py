@@ -20,6 +20,14 @@ carries them, and only what the penalties need (the whole prefix for a repetitio
 prompt and output; for presence / frequency, which count output only, just the outputs inside the hit,
 which is empty unless a recomputed request hits its own generated tokens).
 
+Prompt logprobs (``SamplingSpec.prompt_logprobs``, for scoring a prompt): the last stage keeps, besides
+each sampling row, the logits of every prompt position of the chunk and returns, per request, the raw
+log-softmax of each prompt token given its prefix (and the top k), as ``StepOutput.prompt_logprobs``
+entries ``(first position, logprobs, top ids, top logprobs)``. The token at the start of a chunk is scored
+by the last row of the chunk before it, which the last stage keeps until that token arrives; so every
+position from 1 on is scored, however the prompt is chunked, provided the prompt is computed from
+position 0 (the engine takes no prefix-cache hit for such a request until its positions are all scored).
+
 Faults are reported per request where they can be: a chunk a worker refuses raises ``RequestError``
 naming its request before anything changes (the engine fails that request and runs the rest of the step
 again); a row that cannot be sampled (NaN logits) lands in ``StepOutput.failed`` and the step stands.
@@ -56,6 +64,7 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), sorted by token id
     logprobs: int | None = None          # None: none; k: the sampled token's raw logprob and the top k
     seed: int | None = None              # None: the worker's batch generator; else draws keyed by (seed, position)
+    prompt_logprobs: int | None = None   # None: none; k: each prompt token's raw logprob and the top k (module doc)
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -79,6 +88,9 @@ class SamplingSpec:
              f"None or an integer in [0, {MAX_LOGPROBS}]"),
             ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
              "None or an integer in [0, 2**64)"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
         )
         for name, ok, what in checks:
             if not ok:
@@ -139,6 +151,10 @@ class StepOutput:
     logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)   # request_id -> why its row could not be sampled
     device_time_s: float = 0.0           # real workers on CUDA: the step's span on the device (events)
+    # request_id -> (first prompt position scored, raw logprob of each prompt token from there, per token
+    # the top ids and their raw logprobs), for requests with prompt_logprobs (module doc)
+    prompt_logprobs: dict[str, tuple[int, list[float], list[list[int]], list[list[float]]]] = \
+        field(default_factory=dict)
 
 
 class RequestError(ValueError):

@@ -17,6 +17,10 @@ Randomness: rows with a seed draw their number from a generator seeded by (seed,
 token), so a replay after preemption, recompute or a worker restart draws the same token; rows
 without one share the worker's batch generator (one call for all of them).
 
+Prompt logprobs (``score_prompts``) are raw log-softmax too, one row per prompt position of a chunk;
+the row scoring a chunk's first token is the previous chunk's last, kept here (``_tails``, on the
+device) until that token arrives.
+
 Penalty state lives here too: per request with penalties, one row of a pooled [rows, vocab] table of
 output counts and one of prompt presence, updated from each step's chunk tokens by one scatter.
 
@@ -29,6 +33,7 @@ tokens, still on the device, into step N+1's inputs.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -54,10 +59,16 @@ class Sampler:
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(random.SystemRandom().getrandbits(63))   # unseeded: the worker's own
+        # request -> (prompt position its row scores, that row's raw log-softmax): a chunk's last prompt row,
+        # waiting for the next chunk's first token
+        self._tails: dict[str, tuple[int, torch.Tensor]] = {}
+        self.scoring: set[str] = set()                 # requests asking for prompt logprobs
 
     # -- per-request state ---------------------------------------------------------------------
     def forget(self, request_id: str) -> None:
         self.specs.pop(request_id, None)
+        self._tails.pop(request_id, None)
+        self.scoring.discard(request_id)
         self.num_prompt_tokens.pop(request_id, None)
         row = self.rows.pop(request_id, None)
         if row is not None:
@@ -82,6 +93,8 @@ class Sampler:
                 spec = chunk.start.sampling
                 self.specs[rid] = spec
                 self.num_prompt_tokens[rid] = chunk.start.num_prompt_tokens
+                if spec.prompt_logprobs is not None:
+                    self.scoring.add(rid)
                 if spec.has_penalties:
                     self.rows[rid] = self._new_row()
                     seen = chunk.start.seen_token_ids
@@ -133,10 +146,13 @@ class Sampler:
         logprobs). Waits for the device: ``sample_async`` does not."""
         return self.sample_async(logits, chunks).result()
 
-    def sample_async(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> "Sampled":
-        """The draws of ``sample``, left on the device with their copies to the host queued (no sync)."""
+    def sample_async(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
+                     prompt: tuple[torch.Tensor, "PromptPlan"] | None = None) -> "Sampled":
+        """The draws of ``sample``, left on the device with their copies to the host queued (no sync).
+        ``prompt``: the logits of the step's prompt rows and their plan (``prompt_plan``), to score."""
+        scored, prompt_asks = self.score_prompts(*prompt) if prompt is not None else ({}, [])
         if not chunks:
-            return Sampled([], None, {}, [])
+            return Sampled([], None, scored, [], prompt_asks)
         specs = [self.specs.get(c.request_id, GREEDY) for c in chunks]
         logits = logits.float()
         broken = logits.isnan().any(dim=-1)   # a row the model broke: its request fails (token -1)
@@ -169,7 +185,70 @@ class Sampler:
             if k:
                 results["top_values"], results["top_ids"] = raw.topk(k, dim=-1)
         logprob_asks = [(chunks[i].request_id, specs[i].logprobs) for i in asked]
-        return Sampled([c.request_id for c in chunks], tokens, results, logprob_asks)
+        results.update(scored)
+        return Sampled([c.request_id for c in chunks], tokens, results, logprob_asks, prompt_asks)
+
+    # -- prompt logprobs -------------------------------------------------------------------------
+    def scores_prompts(self, chunks: list[ScheduledChunk]) -> bool:
+        """A request of the step may ask for prompt logprobs: one known here does, or a new one's spec does."""
+        return bool(self.scoring) or any(c.start is not None and c.start.sampling.prompt_logprobs is not None
+                                         for c in chunks)
+
+    def prompt_plan(self, chunks: list[ScheduledChunk]) -> "PromptPlan | None":
+        """Which rows of the step's packed tokens score prompt tokens (None: no chunk asks). Call after
+        ``observe`` (which learns new requests' specs). Row ``p`` of a chunk scores token ``p + 1``."""
+        rows: list[int] = []
+        asks = []
+        offset = 0
+        for chunk in chunks:
+            rid, n = chunk.request_id, len(chunk.token_ids)
+            if rid in self.scoring:
+                s = chunk.start_pos
+                count = max(min(s + n, self.num_prompt_tokens[rid] - 1) - s, 0)
+                if count or rid in self._tails:
+                    asks.append((chunk, len(rows), count))
+                    rows.extend(range(offset, offset + count))
+            offset += n
+        return PromptPlan(rows, asks) if asks else None
+
+    def score_prompts(self, logits: torch.Tensor, plan: "PromptPlan") -> tuple[dict, list]:
+        """Raw logprob (and top k) of each prompt token the plan's rows (``logits``, in plan order) and the
+        kept tails score; result tensors on the device, and per request (id, first position, count, k)."""
+        raw = torch.log_softmax(logits.float(), dim=-1) if len(plan.rows) else None
+        tails: list[torch.Tensor] = []
+        picks: list[tuple[bool, int]] = []    # (from the tails, index)
+        targets: list[int] = []
+        asks = []
+        for chunk, first, count in plan.asks:
+            rid, s, n = chunk.request_id, chunk.start_pos, len(chunk.token_ids)
+            number = 0
+            tail = self._tails.pop(rid, None)
+            if tail is not None and tail[0] == s:   # the previous chunk's last row scores this chunk's first token
+                picks.append((True, len(tails)))
+                tails.append(tail[1])
+                targets.append(chunk.token_ids[0])
+                number += 1
+            inside = min(count, n - 1)           # rows whose token is in this chunk
+            picks += [(False, first + j) for j in range(inside)]
+            targets += chunk.token_ids[1:1 + inside]
+            number += inside
+            if count > inside:                   # its token is the next chunk's first: keep the row
+                self._tails[rid] = (s + n, raw[first + count - 1].clone())
+            if number:
+                asks.append((rid, s if number > inside else s + 1, number, self.specs[rid].prompt_logprobs))
+        if not asks:
+            return {}, []
+        if tails:
+            stack = torch.cat([torch.stack(tails)] + ([raw] if raw is not None else []))
+            index = [i if from_tails else len(tails) + i for from_tails, i in picks]
+        else:
+            stack, index = raw, [i for _, i in picks]
+        chosen_rows = stack[self._long(index)]
+        results = {"prompt_chosen": chosen_rows.gather(1, self._long(targets)[:, None])[:, 0]}
+        k = max(a[3] for a in asks)
+        if k:
+            results["prompt_top_values"], results["prompt_top_ids"] = chosen_rows.topk(k, dim=-1)
+        return results, asks
 
     def adjusted_logits(self, logits: torch.Tensor, chunks: list[ScheduledChunk],
                         specs: list[SamplingSpec]) -> torch.Tensor:
@@ -239,6 +318,15 @@ class Sampler:
         return torch.searchsorted(cdf, point)[:, 0].clamp_(max=probs.shape[1] - 1)
 
 
+@dataclass
+class PromptPlan:
+    """The rows of a step that score prompt tokens: ``rows`` (indices in the packed step), and per chunk
+    that asks (chunk, its first entry in ``rows``, how many rows it has)."""
+
+    rows: list[int]
+    asks: list[tuple[ScheduledChunk, int, int]]
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (on the host) on ``device``; to CUDA through pinned memory, so nothing waits for the device."""
     if device.type == "cuda":
@@ -252,13 +340,14 @@ class Sampled:
     ``result()`` waits for them alone: later steps queued on the device meanwhile do not delay it."""
 
     def __init__(self, request_ids: list[str], tokens: torch.Tensor | None, results: dict[str, torch.Tensor],
-                 logprob_asks: list[tuple[str, int]]):
+                 logprob_asks: list[tuple[str, int]], prompt_asks: list[tuple[str, int, int, int]] = ()):
         self.index = {rid: i for i, rid in enumerate(request_ids)}   # request -> its row of tokens
         self.request_ids = request_ids
         self.tokens = tokens
         self._asks = logprob_asks
+        self._prompt_asks = prompt_asks
         self._event = None
-        if tokens is not None and tokens.is_cuda:
+        if results and next(iter(results.values())).is_cuda:
             host = {}
             for name, t in results.items():
                 host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -270,6 +359,23 @@ class Sampled:
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
+
+    def prompt_result(self) -> dict[str, tuple[int, list[float], list[list[int]], list[list[float]]]]:
+        """Per request scored: (first prompt position, logprobs, top ids, top logprobs) (``StepOutput``)."""
+        if not self._prompt_asks:
+            return {}
+        if self._event is not None:
+            self._event.synchronize()
+        r = self._results
+        chosen = r["prompt_chosen"].tolist()
+        top_ids = r["prompt_top_ids"].tolist() if "prompt_top_ids" in r else [[] for _ in chosen]
+        top_values = r["prompt_top_values"].tolist() if "prompt_top_values" in r else [[] for _ in chosen]
+        out, at = {}, 0
+        for rid, start, number, k in self._prompt_asks:
+            rows = range(at, at + number)
+            out[rid] = (start, chosen[at:at + number], [top_ids[i][:k] for i in rows], [top_values[i][:k] for i in rows])
+            at += number
+        return out
 
     def result(self) -> tuple[list[int], dict]:
         """(token per row, -1 where the row broke; per request that asked, its logprobs entry)."""

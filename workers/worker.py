@@ -35,7 +35,7 @@ from workers.model_runner import (PagedKV, StageModel, StepBatch, check_tensor_p
 from workers.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from workers.mirrors import BlockTableMirrors
 from workers.protocol import RequestError, StepInput, StepOutput, check_chunk_fields, check_compositions
-from workers.sampling import Sampled, Sampler
+from workers.sampling import Sampled, Sampler, to_device
 from workers.step_inputs import Inputs, Layout, StepInputs
 from workers.tiny_models import TINY_MODELS, build_tiny_model
 
@@ -128,6 +128,7 @@ class Worker:
                          for g, k in enumerate(self.widths) if k > 1}
         self.sampler = Sampler(self.vocab_size, self.device) if self.stage.is_last else None
         self._last_sampled: Sampled | None = None     # the draws fed chunks of the next step read
+        self._prompt_plan = None                       # the prompt rows ``forward`` computed logits for
         self.graphs = None
         if cuda_graphs and self.stage.is_first and self.stage.is_last and tensor_parallel_size == 1:
             self.graphs = DecodeGraphs(self._run_padded, self._padding, lambda: self.inputs.generation,
@@ -178,7 +179,10 @@ class Worker:
         out = self.forward(step, hidden_states, feedback)
         if not self.stage.is_last:
             return out
-        sampled = self.sampler.sample_async(out, [c for c in step.chunks if c.sample])
+        sampling = [c for c in step.chunks if c.sample]
+        plan, self._prompt_plan = self._prompt_plan, None
+        prompt = None if plan is None else (out[len(sampling):], plan)
+        sampled = self.sampler.sample_async(out[:len(sampling)], sampling, prompt)
         self._last_sampled = sampled
         if ended is not None:
             ended.record()
@@ -187,6 +191,7 @@ class Worker:
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's draws (only its own) and report them."""
         tokens, logprobs = pending.sampled.result()
+        prompt_logprobs = pending.sampled.prompt_result()
         sampled, failed = {}, {}
         for rid, token in zip(pending.sampled.request_ids, tokens):
             if token < 0:   # its row held NaN: that request fails, the step stands for the others
@@ -194,16 +199,23 @@ class Worker:
                 logprobs.pop(rid, None)
             else:
                 sampled[rid] = token
+        for rid, entry in list(prompt_logprobs.items()):
+            if rid in failed or any(v != v for v in entry[1]):   # NaN
+                failed[rid] = "the model produced NaN logits for this request"
+                del prompt_logprobs[rid]
+                sampled.pop(rid, None)
+                logprobs.pop(rid, None)
         device_time_s = 0.0
         if pending.ended is not None:
             pending.ended.synchronize()
             device_time_s = pending.started.elapsed_time(pending.ended) / 1e3
         return StepOutput(step_id=pending.step_id, sampled=sampled, logprobs=logprobs, failed=failed,
-                          device_time_s=device_time_s)
+                          device_time_s=device_time_s, prompt_logprobs=prompt_logprobs)
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None,
                 feedback: Sampled | None = None) -> torch.Tensor:
-        """Logits of the sampling chunks' last tokens (last stage) or hidden states (other stages)."""
+        """Logits of the sampling chunks' last tokens, then of the prompt rows to score (last stage; see
+        ``Sampler.prompt_plan``), or hidden states (other stages)."""
         source = feedback if feedback is not None else self._last_sampled
         updates, compositions, fed = self._check(step, source)
         self._check_hidden(step, hidden_states)
@@ -215,7 +227,7 @@ class Worker:
         chunks = step.chunks
         rows = np.fromiter((self.mirrors.rows[c.request_id] for c in chunks), dtype=np.int64, count=len(chunks))
         key = None
-        if self.graphs is not None and chunks:
+        if self.graphs is not None and chunks and not self.sampler.scores_prompts(chunks):
             num_tokens = sum(len(c.token_ids) for c in chunks)
             width = max(-(-(c.start_pos + len(c.token_ids)) // self.block_size) for c in chunks)
             key = self.graphs.key(len(chunks), num_tokens, width)
@@ -230,12 +242,16 @@ class Worker:
             inputs.input_ids[inputs.fed_at.long()] = source.tokens[inputs.fed_from.long()].to(torch.int32)
         if self.sampler:
             self.sampler.observe(chunks, inputs.input_ids)
+        self._prompt_plan = self.sampler.prompt_plan(chunks) if self.sampler and self.sampler.scoring else None
         if not chunks:
             width = self.vocab_size if self.stage.is_last else self.stage.hidden_size
             return torch.zeros(0, width, device=self.device)
         if key is not None:
             return self.graphs.replay(key, inputs)[inputs.logits_indices.long()]
-        batch = self._device_batch(inputs, inputs.logits_indices.long())
+        rows = inputs.logits_indices.long()
+        if self._prompt_plan is not None:
+            rows = torch.cat([rows, to_device(torch.tensor(self._prompt_plan.rows, dtype=torch.long), self.device)])
+        batch = self._device_batch(inputs, rows)
         input_ids = inputs.input_ids if self.stage.is_first else None
         return self.stage.forward(self.kv, batch, input_ids=input_ids, hidden_states=hidden_states)
 
