@@ -12,7 +12,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .launch import serve_forever
+    import os
+
+    from .launch import SUPERVISED, serve_forever, supervise
+    if not os.environ.get(SUPERVISED):   # the server runs in a child, so that any stop is complete (launch.py)
+        return supervise(args.argv)
     build = dict(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
                  pipeline_parallel_size=args.pipeline_parallel_size, block_size=args.block_size,
                  num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
@@ -78,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -3,12 +3,26 @@
 ``swakv serve`` runs ``serve_forever``; the load test and the tests call the pieces. Ctrl-C or SIGTERM
 first tells every in-flight request that the server is shutting down (``stop_serving``), then shuts down
 Serve and, when this process started it, the local Ray runtime: no Ray process is left.
+
+However the signal arrives, shutdown is bounded and complete (``supervise``): ``swakv serve`` runs the
+server in a child process in a session of its own, so a signal to the terminal's or a service manager's
+process group reaches only the supervisor, which passes it on once. Without this, ``kill -TERM -PGID``
+also reached Ray's GCS, raylet and agents (they share the server's process group and block SIGINT, not
+SIGTERM): they died at once, under the server's goodbyes, which then failed ("an engine did not take the
+shutdown"), so requests in flight were never told and the server waited out its timeouts. The child's
+goodbyes are bounded (``GOODBYE_S``), after which it kills its whole process group (itself, GCS, raylet,
+the agents; Ray's workers, each in a process group of its own, exit when their raylet is gone); the
+supervisor sweeps that group again once the child ends. If the supervisor is killed outright, the kernel
+signals the child (``PR_SET_PDEATHSIG``), which says its goodbyes as for SIGTERM; Ray ties GCS and the
+raylet to the child the same way, so they never outlive it.
 """
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import threading
 import time
 
 from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE, EngineService
@@ -16,6 +30,71 @@ from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE, EngineService
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",   # keep every Ray process on 127.0.0.1
            "RAY_USAGE_STATS_ENABLED": "0",
            "GLOO_SOCKET_IFNAME": "lo"}
+
+
+GOODBYE_S = 20.0          # the most a stop may take before everything left is killed (the goal is 30 s)
+SUPERVISED = "SWAKV_SUPERVISED"   # set in the server process a supervisor started
+
+
+def supervise(argv: list[str]) -> int:
+    """Run ``python -m cluster *argv`` (the server) as a child in its own session and process group, pass
+    the first SIGINT / SIGTERM / SIGHUP on to it alone, and once it ends, kill whatever is left in its
+    group; return its exit status. See the module doc for why."""
+    parent = os.getpid()
+
+    def in_child():   # after fork, before exec: die with the supervisor, even if it is already gone
+        _die_with_parent(signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    child = subprocess.Popen([sys.executable, "-m", "cluster", *argv], env={**os.environ, SUPERVISED: "1"},
+                             start_new_session=True, preexec_fn=in_child)
+    signalled = threading.Event()
+
+    def forward(signum, frame):
+        if not signalled.is_set():   # the first one starts the goodbyes; more must not cut them short
+            signalled.set()
+            _signal_group(child.pid, signal.SIGTERM, leader_only=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    deadline = None
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if signalled.is_set():
+                    deadline = deadline or time.monotonic() + GOODBYE_S + 5
+                    if time.monotonic() > deadline:   # the child's own bound failed: end it all now
+                        _signal_group(child.pid, signal.SIGKILL)
+    finally:
+        _signal_group(child.pid, signal.SIGKILL)   # Ray processes it left behind, if any
+    return 0 if code == -signal.SIGTERM and signalled.is_set() else code
+
+
+def _signal_group(pgid: int, sig: int, leader_only: bool = False) -> None:
+    try:
+        os.kill(pgid, sig) if leader_only else os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent(sig: int) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent ends (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)   # 1: PR_SET_PDEATHSIG
+
+
+def _goodbye_deadline() -> None:
+    """In a supervised server: if the goodbyes are not over in ``GOODBYE_S``, kill the whole process group
+    (the server, GCS, raylet, the workers). The group is this process's own only when supervised."""
+    if os.environ.get(SUPERVISED) and os.getpgrp() == os.getpid():
+        timer = threading.Timer(GOODBYE_S, os.killpg, (os.getpgrp(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = False):
@@ -161,6 +240,7 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
         info = started[0][1]
         deploy(info, host=host, port=port, names=engine_names(data_parallel_size), max_body_bytes=max_body_bytes,
                router=router)
+        _wait_routable(host, port)
         print(f"swakv: serving {info['model']} on http://{host}:{port}  "
               f"({data_parallel_size} replica(s), router {router}; each {info['num_blocks']} KV units, "
               f"{info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
@@ -176,6 +256,7 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # also when start-up itself failed
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _goodbye_deadline()
         try:
             if handles:
                 n = stop_serving(handles)
@@ -187,6 +268,24 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
         finally:
             signal.signal(signal.SIGINT, old_sigint)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _wait_routable(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Announce the server only once its router follows a ready engine: the app starts following the
+    engines at its first request, so ask ``/health`` until it says ``routable`` (a first answer would
+    otherwise be a 200 with ``routable: 0``: served, but by a router that knows no replica's cache yet)."""
+    import httpx
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200 and r.json().get("routable", 0) >= 1:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    print(f"swakv: {url} did not report a routable engine within {timeout_s:.0f} s; serving anyway", file=sys.stderr)
 
 
 def _stop_serve(timeout_s: float) -> None:

@@ -75,7 +75,7 @@ def test_bad_requests_are_refused_and_nothing_is_queued():
     with pytest.raises(ValueError, match="250 tokens need up to 72 KV blocks, the pool has 63"):
         engine.add_request("c", [1] * 100, SamplingParams(max_tokens=150))
     with pytest.raises(ValueError, match="max_tokens must be"):
-        engine.add_request("d", [1, 2], SamplingParams(max_tokens=0))
+        engine.add_request("d", [1, 2], SamplingParams(max_tokens=-1))
     engine.add_request("e", [1, 2, 3])
     with pytest.raises(ValueError, match="duplicate request id 'e'"):
         engine.add_request("e", [1, 2, 3])

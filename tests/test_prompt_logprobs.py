@@ -69,6 +69,14 @@ def test_a_scored_prompt_takes_no_prefix_hit_and_then_generates_as_without_score
     assert again.prompt_logprobs is None
 
 
+def test_max_tokens_0_without_scores_computes_the_prompt_into_the_cache_and_generates_nothing():
+    llm = LLM("default", block_size=4, max_num_batched_tokens=CHUNK)
+    (warm,) = llm.generate([PROMPT], max_tokens=0)
+    assert (warm.output_token_ids, warm.finish_reason, warm.prompt_logprobs) == ([], "length", None)
+    llm.generate([PROMPT], max_tokens=1)
+    assert llm.engine.stats()["prefix_hit_tokens"] == 48     # all but the last block: the prompt was computed
+
+
 def test_requests_preempted_while_scoring_deliver_every_position_once():
     # 30 units of 4 tokens cannot hold three 50-token prompts of tiny-gemma3 (sliding blocks take 3 units)
     prompts = [PROMPT, PROMPT[::-1], [(t + 7) % 256 for t in PROMPT]]
