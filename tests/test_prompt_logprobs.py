@@ -13,10 +13,14 @@ import torch
 import transformers
 
 from cluster.deltas import decode_output, encode_output
+from cluster.engine import Engine, EngineConfig
 from cluster.llm import DEFAULT_MODEL, LLM, build_engine
 from cluster.scheduler import SamplingParams
 from workers.protocol import StepOutput
+from kvmanager import FullAttention, SlidingWindow
 from workers.tiny_models import build_tiny_model
+
+from drivers import SimulatedExecutor
 
 PROMPT = [(13 * j + 5) % 256 for j in range(50)]      # 50 tokens: four chunks of 16 at most
 CHUNK = 16
@@ -112,6 +116,20 @@ def test_tensor_and_pipeline_parallel_ranks_over_ray_score_the_prompt(ray_runtim
         assert_scores_match("tiny-gemma2", PROMPT[:30], scored["both"], 1)
     finally:
         engine.executor.shutdown()
+
+
+def test_simulated_workers_score_every_prompt_position_uniformly():
+    specs = [SlidingWindow(block_size=4, window=8), FullAttention(block_size=4)]
+    engine = Engine(SimulatedExecutor(specs, 200, [1, 1], 1000), specs, 200,
+                    EngineConfig(max_model_len=256, max_num_batched_tokens=CHUNK, vocab_size=1000))
+    engine.add_request("s", PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=1))
+    scored, finished = [], None
+    while engine.has_work():
+        for u in engine.step():
+            scored += u.prompt_logprobs or []
+            finished = (u.finish_reason, u.error) if u.finished else finished
+    assert finished == ("length", None)
+    assert scored == [(pytest.approx(-6.907755), [t], [pytest.approx(-6.907755)]) for t in PROMPT[1:]]
 
 
 def test_prompt_logprobs_cross_the_wire_as_packed_float32():

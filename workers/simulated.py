@@ -12,8 +12,8 @@ compositions), not the tables' length. It keeps each request's sampling spec wit
 last stage does, and samples tokens from a hash of (seed, request seed, position) for a seeded
 request, so a replay after a fault yields the same tokens and a client can recompute them (the engine
 names requests itself, so the id is no part of it); an unseeded request's hash takes its engine id
-instead. Asked for logprobs, it reports those of a uniform distribution (its tokens are not drawn from
-any model's). It takes the step's time from the roofline
+instead. Asked for logprobs (or prompt logprobs), it reports those of a uniform distribution (its tokens
+are not drawn from any model's). It takes the step's time from the roofline
 cost model (optionally sleeping it, scaled, so load tests feel real).
 """
 from __future__ import annotations
@@ -77,6 +77,7 @@ class SimulatedWorker:
         self._holder: dict[int, tuple[int, int]] = {}  # unit -> (group, block) of its latest composition
         self._unit_groups = [g for g, w in enumerate(self.widths) if w == 1]   # whose blocks are units
         self._specs: dict[str, SamplingSpec] = {}   # how each request samples (from its first chunk)
+        self._prompt_lens: dict[str, int] = {}      # its prompt's length (from its first chunk)
 
     @classmethod
     def for_model(cls, model: Any, gpu: Any, *, num_blocks: int, block_size: int = 16,
@@ -129,6 +130,17 @@ class SimulatedWorker:
                 uniform = -math.log(self.vocab_size)
                 logprobs[rid] = (uniform, [(token + j) % self.vocab_size for j in range(min(k, self.vocab_size))],
                                  [uniform] * min(k, self.vocab_size))
+        prompt_logprobs = {}
+        uniform = -math.log(self.vocab_size)
+        for c in step.chunks:   # every prompt token the chunk scores: from its first (the row before it) on
+            k = self._specs.get(c.request_id, GREEDY).prompt_logprobs
+            first, end = max(c.start_pos, 1), min(c.start_pos + len(c.token_ids), self._prompt_lens.get(c.request_id, 0))
+            if k is not None and end > first:
+                tokens = c.token_ids[first - c.start_pos:end - c.start_pos]
+                top = min(k, self.vocab_size)
+                prompt_logprobs[c.request_id] = (first, [uniform] * len(tokens),
+                                                 [[(t + j) % self.vocab_size for j in range(top)] for t in tokens],
+                                                 [[uniform] * top for _ in tokens])
         seconds = 0.0
         if self.cost_model is not None and step.chunks:
             cost = self.cost_model.step([(c.start_pos, len(c.token_ids)) for c in step.chunks])
@@ -136,7 +148,8 @@ class SimulatedWorker:
             if self.sleep_factor:
                 own = seconds if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage)
                 time.sleep(own * self.sleep_factor)
-        return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, simulated_time_s=seconds)
+        return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, simulated_time_s=seconds,
+                          prompt_logprobs=prompt_logprobs)
 
     def sample(self, chunk: ScheduledChunk) -> int:
         """The token after the chunk: a function of (seed, request seed, its position) only; unseeded, of
@@ -175,6 +188,7 @@ class SimulatedWorker:
                 undo.append((d.__setitem__, rid, d.pop(rid)))
             if rid in self._specs:
                 undo.append((self._specs.__setitem__, rid, self._specs.pop(rid)))
+                undo.append((_restore, self._prompt_lens, rid, self._prompt_lens.pop(rid, None)))
         # Windows move forward: first what leaves them, then compositions, then what enters.
         moves, seen = [], set()
         tables, computed, quiets = self._tables, self._computed, self._quiet
@@ -190,7 +204,9 @@ class SimulatedWorker:
                                  "request's first chunk on the workers carries one)")
             if chunk.start is not None:
                 undo.append((_restore, self._specs, rid, self._specs.get(rid)))
+                undo.append((_restore, self._prompt_lens, rid, self._prompt_lens.get(rid)))
                 self._specs[rid] = chunk.start.sampling
+                self._prompt_lens[rid] = chunk.start.num_prompt_tokens
             if known:
                 if start != computed[rid]:
                     raise RequestError(rid, f"request {rid!r}: start_pos={start} does not continue its previous steps, "
