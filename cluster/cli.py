@@ -6,13 +6,13 @@ import sys
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from .tools.demo import run
     run()
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .launch import serve_forever
+    from .serve.launch import serve_forever
     build = dict(model=args.model, tensor_parallel_size=args.tensor_parallel_size,
                  pipeline_parallel_size=args.pipeline_parallel_size, block_size=args.block_size,
                  num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
@@ -25,8 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub) -> None:
-    from .planner import _positive_int, _size_arg
-    from .router import ROUTERS
+    from .routing.policies import ROUTERS
+    from .tools.args import positive_int as _positive_int, size_arg as _size_arg
     p = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible) on a local or existing Ray cluster")
     p.add_argument("--model", default="default",
                    help="local model directory, a tiny test model name, or 'default' (the bundled tiny hybrid model)")
@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="walk through the KV-cache manager on a hybrid layout")
     demo.set_defaults(func=_demo)
     _add_serve(sub)
-    from .planner import register as register_plan
+    from .tools.planner import register as register_plan
     register_plan(sub)
-    from .loadtest import register as register_loadtest
+    from .loadtest.cli import register as register_loadtest
     register_loadtest(sub)
     return parser
 

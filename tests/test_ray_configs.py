@@ -12,7 +12,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.autoscaler.sdk import bootstrap_config
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.llm import build_engine
+from cluster.engine.build import build_engine
 
 CONFIGS = Path(__file__).resolve().parents[1] / "ray_configs"
 
@@ -64,6 +64,6 @@ def test_a_serve_config_with_a_bad_field_is_refused():
     ({"data_parallel_size": "2"}, "data_parallel_size must be an integer >= 1, got '2'"),
 ])
 def test_the_serve_builder_refuses_bad_serving_options_before_starting_anything(args, message):
-    from cluster.app import build
+    from cluster.serve.builder import build
     with pytest.raises(ValueError, match=message):
         build({"model": "default", **args})

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from kvmanager.planning import kv_layout
-from workers.layer_kinds import layer_specs
+from workers.models.layer_kinds import layer_specs
 from workers.protocol import GREEDY, RequestStart, SamplingSpec, ScheduledChunk, StepInput
-from workers.tiny_models import build_tiny_model, tiny_config
-from workers.worker import Worker, execute_pipeline
+from workers.models.tiny_models import build_tiny_model, tiny_config
+from workers.runtime.worker import Worker, execute_pipeline
 
 BLOCK = 4
 NUM_BLOCKS = 96
