@@ -32,8 +32,9 @@ class LocalExecutor:
         self.last_wait_s = 0.0
 
     @classmethod
-    def create(cls, stage_kwargs: list[dict], **placement) -> LocalExecutor:
-        """What ``build_engine`` calls; placement options (devices per worker, spreading) mean nothing here."""
+    def create(cls, stage_kwargs: list[dict], args, ranks_per_stage: int) -> LocalExecutor:
+        """What ``build_engine`` calls: one worker per entry of ``stage_kwargs`` (the engine arguments'
+        placement fields, devices per worker and spreading, mean nothing in one process)."""
         return cls(stage_kwargs)
 
     @property

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
+from .args import EngineArgs
 from .build import build_engine
 from .scheduler import SamplingParams
 
@@ -21,13 +23,13 @@ class CompletionOutput:
 class LLM:
     """Offline batch generation: ``LLM(model).generate([[1, 2, 3], ...], max_tokens=32)``. Greedy by default."""
 
-    def __init__(self, model: str = "default", tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 block_size: int = 16, num_blocks: int | None = None, max_num_batched_tokens: int = 512,
-                 enable_prefix_caching: bool = True, **kwargs):
-        self.engine, self.info = build_engine(
-            model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, **kwargs)
+    def __init__(self, model: EngineArgs | Any = "default", **engine_args):
+        """``model``: a model (``EngineArgs.model``) followed by ``EngineArgs``' other fields as keywords
+        (``tensor_parallel_size=1, pipeline_parallel_size=1, block_size=16, num_blocks=None,
+        max_num_batched_tokens=512, enable_prefix_caching=True, ...``), or an ``EngineArgs``."""
+        self.args = model.replace(**engine_args) if isinstance(model, EngineArgs) else \
+            EngineArgs(model=model, **engine_args)
+        self.engine, self.info = build_engine(self.args)
         self._tokenizer = None
         self._counter = 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from cluster.engine.args import EngineArgs
 from cluster.ray.engine_actor import NAMESPACE
 from cluster.ray.launch import engine_names, start_engine_actors, stop_engines as stop_engine_actors
 from cluster.serve.launch import deploy
@@ -12,12 +13,11 @@ from cluster.serve.launch import deploy
 from .local_cluster import HEAD_RESOURCE, LocalCluster
 
 
-def start_engines(build_kwargs: dict, layout: str, data_parallel_size: int = 1,
-                  timeout_s: float = 300.0) -> list[tuple]:
-    """The named engine actors on the head node, built for ``layout``, each placing its own workers on
-    the worker nodes; returns [(handle, info)] by rank. Ray restarts an engine that dies (once)."""
-    return start_engine_actors({**build_kwargs, "sliding_as_full": layout == "sliding_as_full"}, data_parallel_size,
-                               max_restarts=1, timeout_s=timeout_s, resources={HEAD_RESOURCE: 0.01})
+def start_engines(args: EngineArgs, data_parallel_size: int = 1, timeout_s: float = 300.0) -> list[tuple]:
+    """The named engine actors on the head node, each placing its own workers on the worker nodes;
+    returns [(handle, info)] by rank. Ray restarts an engine that dies (once)."""
+    return start_engine_actors(args, data_parallel_size, max_restarts=1, timeout_s=timeout_s,
+                               resources={HEAD_RESOURCE: 0.01})
 
 
 def worker_names(engine) -> list[str]:

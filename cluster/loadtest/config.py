@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.engine.args import EngineArgs
 from cluster.routing.policies import ROUTERS
 
 from .workloads import WORKLOADS, check_number, load_trace
@@ -100,6 +101,15 @@ class LoadTestConfig:
             check_number("port", self.port, 1)
         check_number("seed", self.seed, 0)
         return self
+
+    def engine_args(self, layout: str) -> EngineArgs:
+        """The engine of one replica for ``layout``: simulated workers timed as on ``gpu`` (real tiny-model
+        ones with ``real``), stages spread over the worker nodes."""
+        sim = {} if self.real else dict(simulated_gpu=self.gpu, sleep_factor=self.sleep_factor)
+        return EngineArgs(model=self.model, tensor_parallel_size=self.tensor_parallel_size,
+                          pipeline_parallel_size=self.pipeline_parallel_size, block_size=self.block_size,
+                          max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_memory=self.kv_memory,
+                          spread_stages=True, seed=0, sliding_as_full=layout == "sliding_as_full", **sim)
 
     def sessions(self):
         """The workload (validated by its generator: a bad knob raises naming it)."""

@@ -15,22 +15,12 @@ from .config import LoadTestConfig
 from .local_cluster import LocalCluster, free_port
 
 
-def _build_kwargs(cfg: LoadTestConfig) -> dict:
-    kwargs = dict(tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
-                  block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                  kv_cache_memory=cfg.kv_memory, spread_stages=True, seed=0)
-    if not cfg.real:
-        kwargs.update(simulated_gpu=cfg.gpu, sleep_factor=cfg.sleep_factor)
-    return kwargs
-
-
 def preflight(cfg: LoadTestConfig) -> None:
     """Build each layout's engine here, without Ray (simulated workers cost nothing): a model, GPU or
     parallel size that cannot work fails now with the engine's own message, before any Ray process starts."""
     if not cfg.real:
         for layout in cfg.layouts:
-            build_engine(cfg.model, **{**_build_kwargs(cfg),
-                                       "sliding_as_full": layout == "sliding_as_full"})
+            build_engine(cfg.engine_args(layout))
 
 
 class ReplicaStats:
@@ -109,7 +99,7 @@ def run_one(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, router: str
     Serve, stop the engines; the summary."""
     cluster.restore()
     dp = cfg.data_parallel_size
-    started = start_engines({"model": cfg.model, **_build_kwargs(cfg)}, layout, dp)
+    started = start_engines(cfg.engine_args(layout), dp)
     handles, info = [h for h, _ in started], started[0][1]
     label = router if cfg.routers else layout
     try:

@@ -95,9 +95,12 @@ class RayExecutor:
     in_process = False
 
     @classmethod
-    def create(cls, stage_kwargs: list[dict], **placement) -> RayExecutor:
-        """What ``build_engine`` calls (``placement``: ranks_per_stage, devices per worker, spreading)."""
-        return cls(stage_kwargs, **placement)
+    def create(cls, stage_kwargs: list[dict], args, ranks_per_stage: int, *,
+               replica_set: str | None = None) -> RayExecutor:
+        """What ``build_engine`` calls: placed as the engine arguments (``EngineArgs``) say."""
+        return cls(stage_kwargs, num_gpus_per_worker=args.num_gpus_per_worker,
+                   num_cpus_per_worker=args.num_cpus_per_worker, spread_stages=args.spread_stages,
+                   ranks_per_stage=ranks_per_stage, replica_set=replica_set)
 
     def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
                  spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,

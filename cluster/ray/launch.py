@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+from cluster.engine.args import EngineArgs
+
 from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE, EngineService
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",   # keep every Ray process on 127.0.0.1
@@ -34,23 +36,26 @@ def engine_names(data_parallel_size: int, base: str = ENGINE_ACTOR_NAME) -> list
     return [f"{base}-{i}" for i in range(data_parallel_size)]
 
 
-def spawn_engine_actor(build_kwargs: dict, name: str, *, rank: int = 0, max_restarts: int = 1,
-                       detached: bool = False, resources: dict | None = None):
+def spawn_engine_actor(args: EngineArgs | dict, name: str, *, rank: int = 0, max_restarts: int = 1,
+                       detached: bool = False, resources: dict | None = None, replica_set: str | None = None):
     """Create the engine actor ``name`` (async; no CPU of its own), replica ``rank`` of its deployment;
-    it builds its engine, placing its workers, at its first call (``ready``). Returns its handle."""
+    it builds its engine, placing its workers, at its first call (``ready``). Returns its handle.
+    ``replica_set``: the name prefix its data-parallel siblings share (their workers go on other nodes)."""
     import ray
 
     from cluster.engine.build import build_engine
 
     from .executors import RayExecutor
+    args = args if isinstance(args, EngineArgs) else EngineArgs.from_dict(args)
     actor_cls = ray.remote(EngineService)
     return actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
                              max_task_retries=0, max_concurrency=1000,
                              lifetime="detached" if detached else None, resources=resources or {},
-                             ).remote(build_engine, rank=rank, executor_cls=RayExecutor, **build_kwargs)
+                             ).remote(build_engine, args, rank=rank, executor_cls=RayExecutor,
+                                      executor_options={"replica_set": replica_set})
 
 
-def start_engine_actors(build_kwargs: dict, data_parallel_size: int = 1, *, base: str = ENGINE_ACTOR_NAME,
+def start_engine_actors(args: EngineArgs | dict, data_parallel_size: int = 1, *, base: str = ENGINE_ACTOR_NAME,
                         max_restarts: int = 1, timeout_s: float = 900.0, detached: bool = False,
                         resources: dict | None = None) -> list[tuple]:
     """``data_parallel_size`` engine actors, each with its own workers in its own placement group, started
@@ -65,11 +70,9 @@ def start_engine_actors(build_kwargs: dict, data_parallel_size: int = 1, *, base
     import ray
     if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
-    kwargs = dict(build_kwargs)
-    if data_parallel_size > 1:
-        kwargs["replica_set"] = base
-    handles = [spawn_engine_actor(kwargs, name, rank=rank, max_restarts=max_restarts, detached=detached,
-                                  resources=resources)
+    args = args if isinstance(args, EngineArgs) else EngineArgs.from_dict(args)   # bad values fail here
+    handles = [spawn_engine_actor(args, name, rank=rank, max_restarts=max_restarts, detached=detached,
+                                  resources=resources, replica_set=base if data_parallel_size > 1 else None)
                for rank, name in enumerate(engine_names(data_parallel_size, base))]
     try:
         infos = ray.get([h.ready.remote() for h in handles], timeout=timeout_s)

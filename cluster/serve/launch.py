@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 
+from cluster.engine.args import EngineArgs
 from cluster.ray.engine_actor import NAMESPACE
 from cluster.ray.launch import engine_names, init_ray, kill_engines, shutdown_engines, start_engine_actors
 
@@ -46,9 +47,10 @@ def stop_serving(engine_handles: list, timeout_s: float = 30.0) -> int:
     return in_flight
 
 
-def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
+def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
                   num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None,
                   data_parallel_size: int = 1, router: str = "prefix") -> int:
+    """``swakv serve``: the engines for ``args`` and the app in front, until Ctrl-C or SIGTERM."""
     ray = init_ray(address, num_cpus, dashboard)
     started_here = not address
     handles = []
@@ -63,8 +65,8 @@ def serve_forever(build_kwargs: dict, *, host: str = "127.0.0.1", port: int = 80
     signal.signal(signal.SIGTERM, _stop)
     try:
         print(f"swakv: starting {data_parallel_size} engine replica(s) and their workers for "
-              f"{build_kwargs.get('model', 'default')} ...", flush=True)
-        started = start_engine_actors(build_kwargs, data_parallel_size)   # held: a named actor lives while handles do
+              f"{args.model} ...", flush=True)
+        started = start_engine_actors(args, data_parallel_size)   # held: a named actor lives while handles do
         handles = [h for h, _ in started]
         info = started[0][1]
         deploy(info, engine_names(data_parallel_size), host=host, port=port, max_body_bytes=max_body_bytes,
