@@ -187,7 +187,7 @@ def swakv_engine(model, args, n, max_len, async_scheduling, cuda_graphs, device)
 
 def generate(engine, prompts, max_new, device, label="q"):
     """Submit every prompt at once, step until done; tokens per prompt and per-step measurements."""
-    from cluster.engine.scheduler import SamplingParams
+    from cluster.engine.types import SamplingParams
     m = engine.metrics
     sync(device)
     t0 = time.perf_counter()

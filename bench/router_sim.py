@@ -37,7 +37,7 @@ from cluster.loadtest.workloads import WORKLOADS  # noqa: E402
 from cluster.loadtest.config import ROUTER_WORKLOADS  # noqa: E402
 from cluster.routing.policies import ROUTERS, Replica, make_router  # noqa: E402
 from cluster.routing.prompt import PromptHashes  # noqa: E402
-from cluster.engine.scheduler import SamplingParams  # noqa: E402
+from cluster.engine.types import SamplingParams  # noqa: E402
 from kvmanager.coordinator import HitRule  # noqa: E402
 
 

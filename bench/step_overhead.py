@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from cluster.engine.engine import Engine, EngineConfig  # noqa: E402
 from cluster.engine.build import build_engine  # noqa: E402
-from cluster.engine.scheduler import SamplingParams  # noqa: E402
+from cluster.engine.types import SamplingParams  # noqa: E402
 from kvmanager.planning import kv_layout  # noqa: E402
 from workers.sim.cost_model import StepCostModel  # noqa: E402
 from workers.sim.presets import get_model_preset  # noqa: E402

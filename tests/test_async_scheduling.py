@@ -14,7 +14,7 @@ from cluster.engine.engine import WorkerFailure
 from cluster.engine.executor import LocalExecutor
 from cluster.engine.build import build_engine
 from cluster.engine.llm import LLM
-from cluster.engine.scheduler import SamplingParams
+from cluster.engine.types import SamplingParams
 from workers.protocol import RequestError, ScheduledChunk, StepInput
 from workers.models.tiny_models import build_tiny_model
 from workers.runtime.worker import Worker

@@ -14,7 +14,7 @@ import torch
 from cluster.engine.engine import WorkerFailure
 from cluster.engine.build import build_engine
 from cluster.engine.llm import LLM
-from cluster.engine.scheduler import SamplingParams
+from cluster.engine.types import SamplingParams
 from cluster.ray.executors import RayExecutor
 from workers.models.tiny_models import build_tiny_model
 

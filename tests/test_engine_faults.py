@@ -20,7 +20,7 @@ from cluster.ray.engine_actor import SHUTTING_DOWN, EngineService, EngineUnavail
 from cluster.engine.executor import LocalExecutor
 from cluster.engine.build import build_engine
 from cluster.engine.llm import LLM
-from cluster.engine.scheduler import SamplingParams
+from cluster.engine.types import SamplingParams
 from workers.protocol import RequestError, RequestStart, SamplingSpec, ScheduledChunk, StepInput
 from workers.models.tiny_models import build_tiny_model
 

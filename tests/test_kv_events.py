@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cluster.engine.engine import Engine, EngineConfig
 from cluster.engine.kv_events import EventPublisher, decode_batch, group_metadata, specs_from_metadata
 from cluster.routing.kv_index import Gap, KVIndex
-from cluster.engine.scheduler import SamplingParams
+from cluster.engine.types import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, KVCacheManager, Request, SlidingWindow
 
 from drivers import SimulatedExecutor

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from cluster import LLM
 from cluster.engine.engine import Engine, EngineConfig
-from cluster.engine.scheduler import SamplingParams
+from cluster.engine.types import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
 from kvmanager.planning import peak_blocks
 from workers.models.tiny_models import build_tiny_model

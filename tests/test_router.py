@@ -18,7 +18,7 @@ from cluster.routing.replicas import ReplicaSet
 from cluster.routing.policies import (LeastLoaded, PrefixAware, RayPrefixTree, Replica, RoundRobin, common_prefix_tokens,
                                      make_router, prefix_hit)
 from cluster.routing.prompt import PromptHashes
-from cluster.engine.scheduler import SamplingParams
+from cluster.engine.types import SamplingParams
 from kvmanager import Request
 from kvmanager.coordinator import HitRule
 from kvmanager.hashing import split_hashes

@@ -31,7 +31,8 @@ from kvmanager import KVCacheManager, Request
 
 from workers.protocol import StepInput, find_request_error
 
-from .scheduler import SamplingParams, Scheduler, Sequence, SequenceUpdate, StepPlan
+from .scheduler import Scheduler, Sequence, SequenceUpdate, StepPlan
+from .types import SamplingParams
 
 
 class WorkerFailure(RuntimeError):
@@ -264,6 +265,12 @@ class Engine:
         for u in updates:
             if u.finished:
                 finished[u.finish_reason] = finished.get(u.finish_reason, 0) + 1
+
+    def load(self) -> dict:
+        """What a router weighs (``types.Load`` less the status): queue lengths, KV usage, prefill backlog."""
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": self.manager.usage,
+                "prefill_backlog": s.prefill_backlog}
 
     def stats(self) -> dict:
         """A snapshot for /metrics: queue sizes, KV usage per group, prefix hits, preemptions, timings."""

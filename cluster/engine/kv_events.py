@@ -33,9 +33,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
+from typing import TypedDict
 
 from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
 from kvmanager.specs import AttentionSpec
+
+from .types import Load
 
 MEDIUM = "GPU"
 _KINDS = {FullAttention: "full_attention", SlidingWindow: "sliding_window",
@@ -62,6 +65,19 @@ def specs_from_metadata(groups: list[dict]) -> list[AttentionSpec]:
         else:
             raise ValueError(f"unknown KV-cache group kind {m['kind']!r}")
     return out
+
+
+class _Reply(TypedDict):
+    epoch: str
+    load: Load
+
+
+class KVEventsReply(_Reply, total=False):
+    """``EngineService.kv_events``' reply: the engine incarnation, its load, and either the batches after
+    the consumer's last or a snapshot."""
+
+    batches: list[tuple[int, bytes]]    # (seq, msgpack batch), in order
+    snapshot: tuple[int, bytes]         # (seq, one batch: AllBlocksCleared then everything cached)
 
 
 class EventPublisher:

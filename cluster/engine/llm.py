@@ -7,7 +7,7 @@ from typing import Any
 
 from .args import EngineArgs
 from .build import build_engine
-from .scheduler import SamplingParams
+from .types import SamplingParams
 
 
 @dataclass

@@ -32,38 +32,9 @@ from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
 from kvmanager.planning import peak_blocks
-from workers.protocol import RequestStart, SamplingSpec, ScheduledChunk, StepInput, StepOutput
+from workers.protocol import RequestStart, ScheduledChunk, StepInput, StepOutput
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """A request's limits and stops (the engine's) and how it samples (the workers', as ``spec``)."""
-
-    max_tokens: int | None = None          # None: the rest of the context, as far as the pool lets one request go
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] | dict = ()
-    logprobs: int | None = None
-    seed: int | None = None                # any integer in [-2**63, 2**64); sent reduced mod 2**64
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not -2**63 <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
-        knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingSpec)}
-        knobs["seed"] = None if self.seed is None else self.seed % 2**64
-        object.__setattr__(self, "spec", SamplingSpec(**knobs))   # checks every knob: ValueError names it
+from .types import SamplingParams
 
 
 @dataclass
@@ -190,6 +161,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens not yet computed, over every request: what a new request's first token waits
+        behind, as chunked prefill shares each step."""
+        return sum(len(q.req.prompt_token_ids) - q.req.num_computed_tokens for q in self.sequences.values()
+                   if q.req.num_computed_tokens < len(q.req.prompt_token_ids))
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

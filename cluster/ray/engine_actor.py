@@ -30,8 +30,9 @@ import os
 from kvmanager.hashing import split_hashes
 
 from cluster.engine.engine import Engine
-from cluster.engine.kv_events import EventPublisher
-from cluster.engine.scheduler import SamplingParams, SequenceUpdate
+from cluster.engine.kv_events import EventPublisher, KVEventsReply
+from cluster.engine.scheduler import SequenceUpdate
+from cluster.engine.types import Load, ModelInfo, SamplingParams, StreamItem
 
 log = logging.getLogger("swakv.engine")
 
@@ -62,7 +63,7 @@ class EngineService:
         self._build = functools.partial(build, *build_args, **build_kwargs)
         self._building: asyncio.Future | None = None
         self.engine: Engine | None = None
-        self.info: dict = {}
+        self.info: ModelInfo | None = None
         self._streams: dict[str, asyncio.Queue] = {}   # engine request id -> its consumer's queue
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -93,7 +94,7 @@ class EngineService:
                     self.status, self.detail = "ready", ""
         return self.engine
 
-    async def ready(self) -> dict:
+    async def ready(self) -> ModelInfo:
         """Model info once the engine is built (starts it)."""
         await self._started()
         return self.info
@@ -104,19 +105,18 @@ class EngineService:
         self._kick()
         return {"status": self.status, "detail": self.detail}
 
-    async def generate(self, label: str, prompt_token_ids: list[int], params: dict | None = None,
+    async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                        block_hashes: dict[int, bytes] | None = None):
-        """Yields ``{"request_id", "token_ids", "finished", "finish_reason", "logprobs", "num_cached_tokens",
-        "error", "error_type"}`` (``logprobs``: per token, raw logprob, top ids, top logprobs);
-        ``request_id`` is the engine's own (``label#n``), what ``abort`` takes. A request that fails
-        ends with finish_reason "error", ``error`` saying why and ``error_type`` one of request_failed,
-        engine_unavailable, server_shutting_down. ``block_hashes``: the prompt's leading block hashes per
-        block size, concatenated, as a router computed them (``kvmanager.hashing.pack_hashes``)."""
+        """Yields ``StreamItem``s (``cluster.engine.types``); ``request_id`` is the engine's own
+        (``label#n``), what ``abort`` takes. A request that fails ends with finish_reason "error", ``error``
+        saying why and ``error_type`` one of request_failed, engine_unavailable, server_shutting_down.
+        ``params``: ``SamplingParams`` (or a dict of its fields). ``block_hashes``: the prompt's leading
+        block hashes per block size, concatenated, as a router computed them (``kvmanager.hashing.pack_hashes``)."""
         await self._started()
         if self.status in ("no_workers", "stopping"):
             raise EngineUnavailable(self.status, SHUTTING_DOWN if self.status == "stopping"
                                     else f"the engine has no workers ({self.detail}); it keeps trying to start them")
-        sampling = SamplingParams(**(params or {}))
+        sampling = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
         request_id = f"{label}#{next(self._ids)}"
         self.engine.add_request(request_id, prompt_token_ids, sampling,   # ValueError: nothing queued
                                 block_hashes=split_hashes(block_hashes))
@@ -149,21 +149,15 @@ class EngineService:
                 "replica": self.rank, "kv_events_epoch": self.events.epoch, "kv_events_seq": self.events.seq,
                 "prefix_cached_blocks": self.events.num_cached()}
 
-    def _load(self) -> dict:
-        """What a router weighs: queue lengths, KV usage, and prompt tokens not yet computed (prefill
-        backlog: what a new request's first token waits behind, as chunked prefill shares each step)."""
-        s = self.engine.scheduler
-        backlog = sum(len(q.req.prompt_token_ids) - q.req.num_computed_tokens for q in s.sequences.values()
-                      if q.req.num_computed_tokens < len(q.req.prompt_token_ids))
-        return {"status": self.status, "running": len(s.running), "waiting": len(s.waiting),
-                "kv_usage": self.engine.manager.usage, "prefill_backlog": backlog}
+    def _load(self) -> Load:
+        return Load(status=self.status, **self.engine.load())
 
-    async def kv_events(self, epoch: str | None = None, after: int = 0, wait_s: float = 0.0) -> dict:
+    async def kv_events(self, epoch: str | None = None, after: int = 0, wait_s: float = 0.0) -> KVEventsReply:
         """KV-cache events a consumer has not applied: ``{"epoch", "load", "batches": [(seq, msgpack
         batch), ...]}`` after batch ``after`` of ``epoch``, waiting up to ``wait_s`` for one if there is
         none yet; or ``{"epoch", "load", "snapshot": (seq, batch)}`` when the consumer missed some (its
-        number is no longer kept, or it knew another epoch: this engine restarted). ``load``: status,
-        running, waiting, kv_usage (``cluster.engine.kv_events`` has the schema)."""
+        number is no longer kept, or it knew another epoch: this engine restarted). ``load``: a
+        ``types.Load`` (``cluster.engine.kv_events`` has the batches' schema)."""
         await self._started()
         self._flush()
         batches = self.events.since(after) if epoch == self.events.epoch else None
@@ -173,7 +167,7 @@ class EngineService:
             except asyncio.TimeoutError:
                 pass
             batches = self.events.since(after)
-        reply = {"epoch": self.events.epoch, "load": self._load()}
+        reply = KVEventsReply(epoch=self.events.epoch, load=self._load())
         if batches is None:
             reply["snapshot"] = self.events.snapshot()
         else:
@@ -208,10 +202,10 @@ class EngineService:
         for u in updates:
             queue = self._streams.get(u.request_id)
             if queue is not None:
-                queue.put_nowait({"request_id": u.request_id, "token_ids": u.new_token_ids, "finished": u.finished,
-                                  "finish_reason": u.finish_reason, "logprobs": u.logprobs,
-                                  "num_cached_tokens": u.num_cached_tokens, "error": u.error,
-                                  "error_type": error_type if u.error else None})
+                queue.put_nowait(StreamItem(request_id=u.request_id, token_ids=u.new_token_ids, finished=u.finished,
+                                            finish_reason=u.finish_reason, logprobs=u.logprobs,
+                                            num_cached_tokens=u.num_cached_tokens, error=u.error,
+                                            error_type=error_type if u.error else None))
 
     async def _run(self) -> None:
         while True:

@@ -20,7 +20,8 @@ from ray.exceptions import RayActorError
 
 from kvmanager.coordinator import HitRule
 
-from cluster.engine.kv_events import specs_from_metadata
+from cluster.engine.kv_events import KVEventsReply, specs_from_metadata
+from cluster.engine.types import ModelInfo
 
 from .kv_index import Gap
 from .policies import Replica, Router
@@ -71,7 +72,7 @@ class ReplicaSet:
         replica.index.forget()
         self.router.replica_down(replica)
 
-    async def info(self, replica: Replica) -> dict:
+    async def info(self, replica: Replica) -> ModelInfo:
         """The replica's model info (``ready``); learns its KV layout for the router."""
         info = await asyncio.wait_for(self.handle(replica).ready.remote(), CALL_TIMEOUT_S)
         if replica.rule is None and info.get("kv_groups"):
@@ -112,7 +113,7 @@ class ReplicaSet:
                 log.exception("following replica %s failed", replica.name)
                 await asyncio.sleep(delay)
 
-    def _apply(self, replica: Replica, reply: dict) -> None:
+    def _apply(self, replica: Replica, reply: KVEventsReply) -> None:
         load = reply["load"]
         replica.running, replica.waiting, replica.kv_usage = load["running"], load["waiting"], load["kv_usage"]
         replica.backlog, replica.sent_tokens = load["prefill_backlog"], 0   # the report counts what was sent

@@ -13,13 +13,14 @@ import sys
 import time
 
 from cluster.engine.args import EngineArgs
+from cluster.engine.types import ModelInfo
 from cluster.ray.engine_actor import NAMESPACE
 from cluster.ray.launch import engine_names, init_ray, kill_engines, shutdown_engines, start_engine_actors
 
 from .server import DEFAULT_MAX_BODY_BYTES, build_app, run
 
 
-def app_for(info: dict, names: list[str], *, max_body_bytes: int | None = None, router: str = "prefix",
+def app_for(info: ModelInfo, names: list[str], *, max_body_bytes: int | None = None, router: str = "prefix",
             ray_actor_options: dict | None = None):
     """The OpenAI app in front of the engines ``names`` (found by name when needed), described by one
     engine's model info: its name, context length, and tokenizer (the model directory's, if it has one)."""
@@ -29,7 +30,7 @@ def app_for(info: dict, names: list[str], *, max_body_bytes: int | None = None, 
                      max_body_bytes or DEFAULT_MAX_BODY_BYTES, router=router, ray_actor_options=ray_actor_options)
 
 
-def deploy(info: dict, names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
+def deploy(info: ModelInfo, names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
            max_body_bytes: int | None = None, router: str = "prefix", proxy_location: str | None = None,
            ray_actor_options: dict | None = None):
     """``app_for``, served over HTTP on ``host:port``; returns the deployment handle."""

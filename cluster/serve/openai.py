@@ -16,6 +16,7 @@ from ray.exceptions import RayActorError
 
 from workers.protocol import MAX_LOGPROBS
 
+from cluster.engine.types import StreamItem
 from cluster.ray.engine_actor import EngineUnavailable
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20   # a 128k-token prompt as JSON-escaped text or token ids needs ~1 MB
@@ -133,7 +134,7 @@ _ENGINE_ERRORS = {   # an engine item's error_type -> (status, type)
 }
 
 
-def error_from_item(item: dict) -> APIError:
+def error_from_item(item: StreamItem) -> APIError:
     """The error an engine item that ends its request with finish_reason "error" carries."""
     status, type_ = _ENGINE_ERRORS.get(item.get("error_type"), (500, "server_error"))
     return APIError(status, item.get("error") or "the request failed", type_, code=item.get("error_type"))

@@ -23,6 +23,7 @@ KV blocks through the prefix cache instead of computing the prompt ``n`` times.
 """
 
 import asyncio
+import dataclasses
 import time
 
 from fastapi import FastAPI, Request
@@ -31,6 +32,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.engine.types import ModelInfo, SamplingParams
 from cluster.routing.policies import make_router
 from cluster.routing.prompt import PromptHashes
 from cluster.routing.replicas import ReplicaSet
@@ -80,7 +82,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.router_name = router
         self.replicas = ReplicaSet(self.engine_names, namespace, make_router(router, router_seed))
-        self._info: dict | None = None
+        self._info: ModelInfo | None = None
         self._vocab_size = self.tokenizer.vocab_size
 
     # -- engine replicas --------------------------------------------------------------------------
@@ -105,7 +107,7 @@ class OpenAIServer:
         self._eos_token_ids = tuple((info or {}).get("eos_token_ids", ()))
         self._info = info
 
-    async def _start(self, label: str, prompt: PromptHashes, params: dict, affinity=None):
+    async def _start(self, label: str, prompt: PromptHashes, params: SamplingParams, affinity=None):
         """Route, submit, and await the first item, so a refused request is an HTTP error, not a broken
         stream. A replica that is gone, or refuses (no workers, shutting down), or fails the request for
         its own reasons before a first token: the request goes to another replica, each tried once
@@ -156,7 +158,8 @@ class OpenAIServer:
             self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
             return replica, engine, stream, item
 
-    async def _items(self, label: str, prompt: PromptHashes, params: dict, choice: ResponseChoice | None = None):
+    async def _items(self, label: str, prompt: PromptHashes, params: SamplingParams,
+                     choice: ResponseChoice | None = None):
         """The engine's items for one request; if the consumer stops early, the engine stops too. An item
         that ends the request with an error is raised as the ``APIError`` it maps to."""
         affinity = choice.first.replica if choice is not None and choice.first is not None else None
@@ -183,8 +186,8 @@ class OpenAIServer:
                 cancel(engine, stream, request_id)
 
     # -- shared request handling -----------------------------------------------------------------
-    def _params(self, body: Body, max_tokens: int | None) -> dict:
-        """The engine's sampling parameters (stop strings and ``n`` stay here)."""
+    def _params(self, body: Body, max_tokens: int | None) -> SamplingParams:
+        """The engine's sampling parameters (stop strings and ``n`` stay here), checked here, at the edge."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "invalid_request_error", param="model", code="model_not_found")
@@ -195,11 +198,15 @@ class OpenAIServer:
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             logprobs = body.logprobs
-        return {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-                "top_k": max(body.top_k, 0), "min_p": body.min_p, "presence_penalty": body.presence_penalty,
-                "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
-                "logit_bias": {int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
-                "logprobs": logprobs, "seed": body.seed, "stop_token_ids": tuple(dict.fromkeys(stop))}
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias={int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
+                logprobs=logprobs, seed=body.seed, stop_token_ids=tuple(dict.fromkeys(stop)))
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
 
     def _check_ids(self, ids, field: str) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self._vocab_size):   # C speed: a prompt may be long
@@ -223,7 +230,7 @@ class OpenAIServer:
         """Tokenise off the event loop when the input is large, so other requests and /health go on."""
         return await asyncio.to_thread(fn, arg) if size > PARSE_IN_THREAD_BYTES else fn(arg)
 
-    def _choices(self, request_id: str, body: Body, prompts: list[list[int]], params: dict,
+    def _choices(self, request_id: str, body: Body, prompts: list[list[int]], params: SamplingParams,
                  echoes: list[str]) -> list[ResponseChoice]:
         """``n`` choices per prompt, indexed prompt-major; sibling ``j`` of a seeded request uses seed + j."""
         n, stops = body.n, stop_strings(body)
@@ -231,9 +238,7 @@ class OpenAIServer:
         for p in range(len(prompts)):
             for j in range(n):
                 index = p * n + j
-                own = dict(params)
-                if params["seed"] is not None:
-                    own["seed"] = (params["seed"] + j) % 2**64
+                own = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
                 engine_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 choices.append(ResponseChoice(index, p, engine_id, own, StreamDecoder(self.tokenizer, stops), echoes[p]))
                 if j:
@@ -320,7 +325,7 @@ class OpenAIServer:
             out["text_offset"].append(offset)
         return out
 
-    async def _respond(self, kind: str, body: Body, prompts: list[list[int]], params: dict, request: Request,
+    async def _respond(self, kind: str, body: Body, prompts: list[list[int]], params: SamplingParams, request: Request,
                        echoes: list[str] | None = None):
         refuse_unsupported(body)
         if len(prompts) * body.n > MAX_CHOICES:
@@ -331,12 +336,12 @@ class OpenAIServer:
             field = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
             self._check_length(len(ids), field)
             self._check_ids(ids, field)
-        self._check_ids(list(params["stop_token_ids"]), "stop_token_ids")
-        self._check_ids(list(params["logit_bias"]), "logit_bias")
+        self._check_ids(list(params.stop_token_ids), "stop_token_ids")
+        self._check_ids(list(params.logit_bias), "logit_bias")
         choices = self._choices(request_id, body, prompts, params, echoes or [""] * len(prompts))
         events = await self._run(choices, [PromptHashes(ids) for ids in prompts])
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        wants_logprobs = params["logprobs"] is not None
+        wants_logprobs = params.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventStream(self._sse_stream(kind, head, choices, prompts, events, wants_logprobs, include_usage))

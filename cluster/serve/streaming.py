@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 from ray.exceptions import RayActorError
 
 from cluster.engine.tokenizer import StreamDecoder
+from cluster.engine.types import SamplingParams, StreamItem
 
 
 def sse(payload: dict | str) -> str:
@@ -50,7 +51,7 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
 class ResponseChoice:
     """One choice of a response: its engine request, its text (stop strings cut here) and logprobs."""
 
-    def __init__(self, index: int, prompt: int, engine_id: str, params: dict, decoder: StreamDecoder,
+    def __init__(self, index: int, prompt: int, engine_id: str, params: SamplingParams, decoder: StreamDecoder,
                  echo: str = ""):
         self.index, self.prompt, self.engine_id, self.params = index, prompt, engine_id, params
         self.decoder, self.echo = decoder, echo
@@ -65,7 +66,7 @@ class ResponseChoice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def feed(self, item: dict) -> tuple[str, list]:
+    def feed(self, item: StreamItem) -> tuple[str, list]:
         """Take one engine item; return its text delta and the logprob entries it added."""
         entries = item.get("logprobs") or []
         added = [(token, len(self.echo) + len(self.decoder.text), entry)

@@ -1,0 +1,93 @@
+"""The records that cross the Ray boundary between the engine and its callers (the HTTP edge, routers,
+the load test), each defined once: how a request samples (``SamplingParams``), what an engine says of
+its model (``ModelInfo``), one streamed update of a request (``StreamItem``) and a replica's load
+(``Load``). ``SamplingParams`` is a frozen dataclass that checks itself; the others are typed dicts:
+plain data on the wire, one declaration of their keys here (``tests/test_contracts.py`` holds the
+producers to them).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TypedDict
+
+from kvmanager.checks import is_int
+from workers.protocol import SamplingSpec
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's limits and stops (the engine's) and how it samples (the workers', as ``spec``)."""
+
+    max_tokens: int | None = None          # None: the rest of the context, as far as the pool lets one request go
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | dict = ()
+    logprobs: int | None = None
+    seed: int | None = None                # any integer in [-2**63, 2**64); sent reduced mod 2**64
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingSpec)}
+        knobs["seed"] = None if self.seed is None else self.seed % 2**64
+        object.__setattr__(self, "spec", SamplingSpec(**knobs))   # checks every knob: ValueError names it
+
+
+class _BuiltModelInfo(TypedDict):
+
+    model: str                      # the name clients use: a model directory's last component, or as given
+    model_path: str                 # what the workers loaded (a directory, a tiny-model or preset name)
+    max_model_len: int
+    num_blocks: int                 # KV pool units
+    num_groups: int
+    group_widths: list[int]         # pool units per block of each KV-cache group
+    block_size: int
+    simulated_gpu: str | None
+    vocab_size: int
+    eos_token_ids: list[int]        # the model's own EOS ids (generation_config.json / config)
+    sliding_as_full: bool
+    kv_memory_bytes: int            # per device
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    max_num_batched_tokens: int
+    kv_groups: list[dict]           # each group as the KV events describe it (``kv_events.group_metadata``)
+
+
+class ModelInfo(_BuiltModelInfo, total=False):
+    """What an engine tells of itself once built (``build_engine``; ``EngineService.ready`` adds ``replica``)."""
+
+    replica: int                    # the engine actor's data-parallel rank
+
+
+class StreamItem(TypedDict):
+    """One update of one request, as ``EngineService.generate`` yields it (one per sampled token today)."""
+
+    request_id: str                 # the engine's own id for the request (``label#n``), what ``abort`` takes
+    token_ids: list[int]            # new tokens
+    finished: bool
+    finish_reason: str | None       # length | stop | abort | error, once finished
+    logprobs: list | None           # per new token: (raw logprob, top ids, top logprobs), if asked
+    num_cached_tokens: int          # prompt tokens its first admission found in the prefix cache
+    error: str | None               # why, when finish_reason is "error"
+    error_type: str | None          # request_failed | engine_unavailable | server_shutting_down
+
+
+class Load(TypedDict):
+    """What a router weighs of a replica (``EngineService.kv_events`` carries it with every reply)."""
+
+    status: str                     # starting | ready | restarting | no_workers | stopping
+    running: int
+    waiting: int
+    kv_usage: float
+    prefill_backlog: int            # prompt tokens admitted or queued and not yet computed
