@@ -28,9 +28,8 @@ def check_int(name: str, value, low: int | None = None, note: str = "") -> int:
     return value
 
 
-def check_number(name: str, value, low: float, *, integer: bool = False, above: bool = False):
-    """``value`` if it is a finite number (an integer with ``integer``) >= ``low`` (> with ``above``)."""
-    if not (is_int(value) if integer else is_number(value)) or value < low or (above and value == low):
-        kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{name} must be {kind} {'>' if above else '>='} {low}, got {value!r}")
+def check_number(name: str, value, low: float, *, above: bool = False):
+    """``value`` if it is a finite number >= ``low`` (> with ``above``), else ValueError naming ``name``."""
+    if not is_number(value) or value < low or (above and value == low):
+        raise ValueError(f"{name} must be a finite number {'>' if above else '>='} {low}, got {value!r}")
     return value

@@ -13,6 +13,7 @@ from dataclasses import fields
 
 import msgpack
 
+from kvmanager import NULL_BLOCK_ID
 from workers.protocol import RequestError, RequestStart, SamplingSpec, ScheduledChunk, StepInput, StepOutput
 
 _SPEC_FIELDS = tuple(f.name for f in fields(SamplingSpec))
@@ -20,7 +21,7 @@ _SPEC_FIELDS = tuple(f.name for f in fields(SamplingSpec))
 
 def _pack_ids(ids: list[int]) -> list:
     nulls = 0
-    while nulls < len(ids) and ids[nulls] == 0:
+    while nulls < len(ids) and ids[nulls] == NULL_BLOCK_ID:
         nulls += 1
     return [nulls, ids[nulls:]]
 
@@ -77,8 +78,8 @@ def encode_step(step: StepInput) -> bytes:
 def decode_step(payload: bytes) -> StepInput:
     step_id, chunks, forget, compositions = msgpack.unpackb(payload)
     return StepInput(step_id, [
-        ScheduledChunk(rid, tokens, start, [[0] * nulls + ids for nulls, ids in groups], sample, _unpack_start(first),
-                       fed)
+        ScheduledChunk(rid, tokens, start, [[NULL_BLOCK_ID] * nulls + ids for nulls, ids in groups], sample,
+                       _unpack_start(first), fed)
         for rid, tokens, start, groups, sample, first, fed in chunks], forget,
         [(g, block_id, _unpack_runs(runs)) for g, block_id, runs in compositions])
 

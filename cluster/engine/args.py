@@ -8,12 +8,11 @@ are for code (benches, tests, the load test).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmanager.checks import check_int
+from kvmanager.checks import check_int, check_number
 
 
 def _arg(default, help: str | None = None, *, flag: str | None = None, size: bool = False):
@@ -67,9 +66,7 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("num_gpus_per_worker", "num_cpus_per_worker", "sleep_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number(name, getattr(self, name), 0)
         for name in ("device", "simulated_gpu"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):

@@ -35,36 +35,27 @@ import uuid
 from collections import deque
 from typing import TypedDict
 
-from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
-from kvmanager.specs import AttentionSpec
+from kvmanager.specs import AttentionSpec, spec_from_event
 
 from .types import Load
 
 MEDIUM = "GPU"
-_KINDS = {FullAttention: "full_attention", SlidingWindow: "sliding_window",
-          ChunkedLocalAttention: "chunked_local_attention"}
 
 
 def group_metadata(specs) -> list[dict]:
     """Each KV-cache group as vLLM's engine describes its groups (plus the chunk of chunked attention)."""
-    return [{"group_idx": g, "kind": _KINDS[type(s)], "block_size": s.block_size,
-             "sliding_window": getattr(s, "window", None), "attention_chunk_size": getattr(s, "chunk_size", None)}
-            for g, s in enumerate(specs)]
+    out = []
+    for g, s in enumerate(specs):
+        bounds = s.kernel_bounds()
+        out.append({"group_idx": g, "kind": s.event_kind, "block_size": s.block_size,
+                    "sliding_window": bounds["window"], "attention_chunk_size": bounds["chunk_size"]})
+    return out
 
 
 def specs_from_metadata(groups: list[dict]) -> list[AttentionSpec]:
     """The attention specs back (their block and window rules; page sizes do not matter to a router)."""
-    out = []
-    for m in groups:
-        if m["kind"] == "full_attention":
-            out.append(FullAttention(block_size=m["block_size"]))
-        elif m["kind"] == "sliding_window":
-            out.append(SlidingWindow(block_size=m["block_size"], window=m["sliding_window"]))
-        elif m["kind"] == "chunked_local_attention":
-            out.append(ChunkedLocalAttention(block_size=m["block_size"], chunk_size=m["attention_chunk_size"]))
-        else:
-            raise ValueError(f"unknown KV-cache group kind {m['kind']!r}")
-    return out
+    return [spec_from_event(m["kind"], m["block_size"], window=m["sliding_window"],
+                            chunk_size=m["attention_chunk_size"]) for m in groups]
 
 
 class _Reply(TypedDict):

@@ -31,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
+from kvmanager.checks import check_int
 from kvmanager.planning import peak_blocks
 from workers.protocol import RequestStart, ScheduledChunk, StepInput, StepOutput
 
@@ -98,8 +99,7 @@ def blocks_to_finish(specs, num_tokens: int, widths=None) -> int:
 class Scheduler:
     def __init__(self, manager: KVCacheManager, max_num_batched_tokens: int = 512, max_num_seqs: int = 256):
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            check_int(name, v, 1)
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .workloads import Session, check_number
+from kvmanager.checks import check_number
+
+from .workloads import Session
 
 
 # -- one request ----------------------------------------------------------------------------------
@@ -140,9 +142,9 @@ async def run_load(sessions: list[Session], base_url: str, *, duration_s: float 
     import httpx
 
     url = check_local_url(base_url) + "/v1/completions"
-    check_number("duration_s", duration_s, 0, integer=False, above=True)
-    check_number("drain_s", drain_s, 0, integer=False)
-    check_number("poll_interval_s", poll_interval_s, 0, integer=False, above=True)
+    check_number("duration_s", duration_s, 0, above=True)
+    check_number("drain_s", drain_s, 0)
+    check_number("poll_interval_s", poll_interval_s, 0, above=True)
     if not sessions:
         raise ValueError("sessions is empty: nothing to send")
     t0 = time.monotonic()

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmanager.checks import check_int, check_number
+
 from cluster.engine.args import EngineArgs
 from cluster.routing.policies import ROUTERS
 
-from .workloads import WORKLOADS, check_number, load_trace
+from .workloads import WORKLOADS, load_trace
 
 LAYOUTS = ("window_aware", "sliding_as_full")
 WORKLOAD_KNOBS = ("sessions", "turns", "rate", "system_tokens", "user_tokens", "max_tokens", "think_s",
@@ -61,7 +63,7 @@ class LoadTestConfig:
     def check(self) -> LoadTestConfig:
         for name in ("nodes", "cpus_per_node", "tensor_parallel_size", "pipeline_parallel_size", "block_size",
                      "max_num_batched_tokens", "data_parallel_size"):
-            check_number(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name), 1)
         if self.nodes < 2:
             raise ValueError(f"nodes must be >= 2 (a head and at least one worker node), got {self.nodes}")
         workers = self.data_parallel_size * self.pipeline_parallel_size
@@ -76,16 +78,16 @@ class LoadTestConfig:
         if self.routers and len(self.layouts) != 1:
             raise ValueError(f"a comparison of routers runs one KV layout, got layouts={self.layouts!r}")
         if self.kill_replica_at is not None:
-            check_number("kill_replica_at", self.kill_replica_at, 0, integer=False)
+            check_number("kill_replica_at", self.kill_replica_at, 0)
             if self.data_parallel_size < 2:
                 raise ValueError("kill_replica_at needs data_parallel_size >= 2 (another replica to retry on)")
         if self.kv_memory is not None:
-            check_number("kv_memory", self.kv_memory, 1)
+            check_int("kv_memory", self.kv_memory, 1)
         for name in ("sleep_factor", "duration_s", "drain_s"):
-            check_number(name, getattr(self, name), 0, integer=False, above=name == "duration_s")
+            check_number(name, getattr(self, name), 0, above=name == "duration_s")
         for name in ("kill_worker_at", "kill_node_at"):
             if getattr(self, name) is not None:
-                check_number(name, getattr(self, name), 0, integer=False)
+                check_number(name, getattr(self, name), 0)
         if self.kill_node_at is not None and (self.nodes - 2) * self.cpus_per_node < workers:
             raise ValueError(f"kill_node_at needs the worker nodes left after one dies to hold all "
                              f"{workers} workers: (nodes - 2) x cpus_per_node >= data_parallel_size x "
@@ -98,8 +100,8 @@ class LoadTestConfig:
         if unknown:
             raise ValueError(f"workload_args: unknown field(s) {unknown}; known: {', '.join(WORKLOAD_KNOBS)}")
         if self.port is not None:
-            check_number("port", self.port, 1)
-        check_number("seed", self.seed, 0)
+            check_int("port", self.port, 1)
+        check_int("seed", self.seed, 0)
         return self
 
     def engine_args(self, layout: str) -> EngineArgs:

@@ -9,11 +9,11 @@ wait for the server (open loop); only the turns of one session depend on each ot
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+
+from kvmanager.checks import check_int, check_number, is_int
 
 # User text is drawn from ids 1..255: valid for every vocabulary here, byte-level ones included.
 _TEXT_IDS = (1, 255)
@@ -40,15 +40,6 @@ class Session:
         return len(self.turns)
 
 
-def check_number(name: str, value: Any, low: float, *, integer: bool = True, above: bool = False) -> None:
-    """``value`` must be an int (or a finite number) >= ``low`` (> ``low`` with ``above``)."""
-    ok_type = (isinstance(value, int) if integer else isinstance(value, (int, float))) \
-        and not isinstance(value, bool)
-    if not ok_type or (not integer and not math.isfinite(value)) or value < low or (above and value == low):
-        kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{name} must be {kind} {'>' if above else '>='} {low}, got {value!r}")
-
-
 def _text(rng: random.Random, mean: int) -> tuple[int, ...]:
     """Random token ids, length uniform in [mean/2, 3 mean/2] (at least 1)."""
     n = max(1, rng.randint(mean - mean // 2, mean + mean // 2))
@@ -69,10 +60,10 @@ def _start(seed: int, sessions: int, turns: int, rate: float, system_tokens: int
     """Check a session workload's knobs (naming the bad one); its random generator."""
     for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, min_system),
                          ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1)):
-        check_number(name, v, low)
-    check_number("rate", rate, 0, integer=False, above=True)
-    check_number("think_s", think_s, 0, integer=False)
-    check_number("seed", seed, -2**63)
+        check_int(name, v, low)
+    check_number("rate", rate, 0, above=True)
+    check_number("think_s", think_s, 0)
+    check_int("seed", seed, -2**63)
     return random.Random(seed)
 
 
@@ -98,8 +89,8 @@ def multi_turn_chat(*, sessions: int = 24, turns: int = 4, rate: float = 2.0, sy
     ``popularity`` skew (``_popular``)."""
     rng = _start(seed, sessions, turns, rate, system_tokens, 0, user_tokens, max_tokens, think_s)
     if system_prompts is not None:
-        check_number("system_prompts", system_prompts, 1)
-    check_number("popularity", popularity, 0, integer=False)
+        check_int("system_prompts", system_prompts, 1)
+    check_number("popularity", popularity, 0)
     shared = [_text(rng, system_tokens) if system_tokens else () for _ in range(system_prompts or 0)]
     starts = _arrivals(rng, sessions, rate)
     out = []
@@ -132,13 +123,13 @@ def document_qa(*, sessions: int = 24, turns: int = 1, rate: float = 1.0, system
     history): long prompts, short answers, documents shared across sessions, drawn with ``popularity``
     skew (``_popular``).
     """
-    check_number("popularity", popularity, 0, integer=False)
+    check_number("popularity", popularity, 0)
     for name, v, low in (("sessions", sessions, 1), ("turns", turns, 1), ("system_tokens", system_tokens, 1),
                          ("user_tokens", user_tokens, 1), ("max_tokens", max_tokens, 1), ("documents", documents, 1)):
-        check_number(name, v, low)
-    check_number("rate", rate, 0, integer=False, above=True)
-    check_number("think_s", think_s, 0, integer=False)
-    check_number("seed", seed, -2**63)
+        check_int(name, v, low)
+    check_number("rate", rate, 0, above=True)
+    check_number("think_s", think_s, 0)
+    check_int("seed", seed, -2**63)
     rng = random.Random(seed)
     docs = [_text(rng, system_tokens) for _ in range(documents)]
     starts = _arrivals(rng, sessions, rate)
@@ -177,8 +168,8 @@ def parse_trace(lines, source: str = "trace") -> list[Session]:
             if name not in obj:
                 raise ValueError(f"{where}: field {name!r} is missing")
         try:
-            check_number("field 'arrival_s'", obj["arrival_s"], 0, integer=False)
-            check_number("field 'max_tokens'", obj["max_tokens"], 1)
+            check_number("field 'arrival_s'", obj["arrival_s"], 0)
+            check_int("field 'max_tokens'", obj["max_tokens"], 1)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
@@ -191,7 +182,7 @@ def parse_trace(lines, source: str = "trace") -> list[Session]:
         else:
             prompt = obj["prompt_token_ids"]
             if not isinstance(prompt, list) or not prompt or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+                    is_int(t) and t >= 0 for t in prompt):
                 raise ValueError(f"{where}: field 'prompt_token_ids' must be a non-empty list of integers "
                                  f">= 0, got {prompt!r:.60}")
             prompt = tuple(prompt)

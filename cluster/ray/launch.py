@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+from kvmanager.checks import check_int
+
 from cluster.engine.args import EngineArgs
 
 from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE, EngineService
@@ -68,8 +70,7 @@ def start_engine_actors(args: EngineArgs | dict, data_parallel_size: int = 1, *,
     all are stopped.
     """
     import ray
-    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+    check_int("data_parallel_size", data_parallel_size, 1)
     args = args if isinstance(args, EngineArgs) else EngineArgs.from_dict(args)   # bad values fail here
     handles = [spawn_engine_actor(args, name, rank=rank, max_restarts=max_restarts, detached=detached,
                                   resources=resources, replica_set=base if data_parallel_size > 1 else None)

@@ -51,7 +51,6 @@ class ReplicaSet:
         self.downs: Counter = Counter()         # replica name -> times it was found down
         self.expected_hit_tokens = 0            # prompt tokens the router expected the chosen replicas to hit
         self.shortfall_tokens = 0               # ... that they did not find (evicted before admission)
-        self.last_expected_hit = 0              # what the last call of ``candidates`` expected of its first
 
     # -- handles ---------------------------------------------------------------------------------
     def handle(self, replica: Replica):
@@ -142,12 +141,14 @@ class ReplicaSet:
         self.shortfall_tokens += max(0, expected - cached)
 
     # -- routing ---------------------------------------------------------------------------------
-    def candidates(self, prompt: PromptHashes, affinity: Replica | None, tried: set[str]) -> list[Replica]:
-        """Replicas to try, best first: the affinity replica (an ``n`` sibling's) if ready, else the
-        router's choice among the ready ones, then the others not yet tried (maybe back already)."""
+    def candidates(self, prompt: PromptHashes, affinity: Replica | None,
+                   tried: set[str]) -> list[tuple[Replica, int]]:
+        """Replicas to try, best first, each with the prefix hit (tokens) the router expects there: the
+        affinity replica (an ``n`` sibling's) if ready, else the router's choice among the ready ones, then
+        the others not yet tried (maybe back already), expected to hit nothing."""
         ready = [r for r in self.replicas if r.ready and r.name not in tried]
         first: list[Replica] = []
-        self.last_expected_hit = 0
+        expected = 0
         if affinity is not None and affinity in ready:
             first = [affinity]
             self.routed[(affinity.name, "sibling")] += 1
@@ -159,6 +160,23 @@ class ReplicaSet:
             first = [choice.replica]
             self.routed[(choice.replica.name, choice.reason)] += 1
             self.expected_hit_tokens += choice.hit_tokens
-            self.last_expected_hit = choice.hit_tokens
+            expected = choice.hit_tokens
         rest = [r for r in self.replicas if r.name not in tried and r not in first and not r.ready]
-        return first + rest
+        return [(r, expected) for r in first] + [(r, 0) for r in rest]
+
+    # -- requests in flight ----------------------------------------------------------------------
+    def acquire(self, replica: Replica, prompt: PromptHashes) -> None:
+        """A request was sent to ``replica``: in flight there, and prefilling (its blocks get cached there
+        as the prefill goes, which ``prefilling_hit`` counts for the requests after it)."""
+        replica.in_flight += 1
+        replica.prefilling.append(prompt)
+
+    def first_token(self, replica: Replica, prompt: PromptHashes) -> None:
+        """The request's first item came: its prompt is computed."""
+        replica.prefilling.remove(prompt)
+
+    def release(self, replica: Replica, prompt: PromptHashes | None = None) -> None:
+        """The request ended on ``replica`` (``prompt``: before its first item, so still prefilling)."""
+        replica.in_flight -= 1
+        if prompt is not None:
+            replica.prefilling.remove(prompt)

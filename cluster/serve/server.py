@@ -118,7 +118,7 @@ class OpenAIServer:
             candidates = self.replicas.candidates(prompt, affinity, tried)
             if not candidates:
                 raise last
-            replica, expected = candidates[0], self.replicas.last_expected_hit
+            replica, expected = candidates[0]
             if tried:
                 self.replicas.retries += 1
             tried.add(replica.name)
@@ -129,30 +129,28 @@ class OpenAIServer:
                 continue
             stream = engine.generate.options(num_returns="streaming").remote(
                 label, prompt.token_ids, params, prompt.for_engine())
-            replica.in_flight += 1
-            replica.prefilling.append(prompt)   # its blocks get cached there as the prefill goes
+            self.replicas.acquire(replica, prompt)
             try:
                 item = await (await stream.__anext__())
             except RayActorError:
-                replica.in_flight -= 1
+                self.replicas.release(replica, prompt)
                 self.replicas.down(replica)
                 continue
             except asyncio.CancelledError:  # the client left before the first token
-                replica.in_flight -= 1
+                self.replicas.release(replica, prompt)
                 cancel(engine, stream, None)
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine's own refusal
-                replica.in_flight -= 1
+                self.replicas.release(replica, prompt)
                 error = error_from_engine(exc)
                 if error.type in RETRY_ELSEWHERE:
                     last = error
                     continue
                 raise error from None
-            finally:
-                replica.prefilling.remove(prompt)
+            self.replicas.first_token(replica, prompt)
             if item["finish_reason"] == "error" and item.get("error_type") in RETRY_ELSEWHERE \
                     and not item["token_ids"]:
-                replica.in_flight -= 1
+                self.replicas.release(replica)
                 last = error_from_item(item)
                 continue
             self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
@@ -181,7 +179,7 @@ class OpenAIServer:
         except Exception as exc:  # noqa: BLE001
             raise error_from_engine(exc) from None
         finally:
-            replica.in_flight -= 1
+            self.replicas.release(replica)
             if not item["finished"]:
                 cancel(engine, stream, request_id)
 

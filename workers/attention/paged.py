@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from kvmanager.checks import is_int, is_number
+
 BACKENDS = ("torch", "triton")
 BACKEND_ENV = "SWAKV_ATTENTION_BACKEND"
 
@@ -204,7 +206,7 @@ def _check_lengths(seq_lens: list[int], query_lens: list[int], num_tokens: int, 
 def _check_positive_int(name: str, value):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")
     return value
 
@@ -212,7 +214,7 @@ def _check_positive_int(name: str, value):
 def _check_scale(scale, head_size: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_size)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+    if not is_number(scale) or scale <= 0:
         raise ValueError(f"scale: must be a finite number > 0 or None, got {scale!r}")
     return float(scale)
 
@@ -220,7 +222,6 @@ def _check_scale(scale, head_size: int) -> float:
 def _check_softcap(softcap):
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-            or softcap <= 0:
+    if not is_number(softcap) or softcap <= 0:
         raise ValueError(f"softcap: must be a finite number > 0 or None, got {softcap!r}")
     return float(softcap)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvmanager.checks import check_int, is_int
 from kvmanager.specs import DTYPE_BYTES, AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow
 
 # Families whose attention applies config.sliding_window (when set) to every layer; layer_types unused.
@@ -47,7 +48,7 @@ def layer_specs(config: Any, block_size: int, dtype: str | None = None) -> dict[
         raise ValueError(f"config field num_kv_shared_layers={cfg['num_kv_shared_layers']}: layers that reuse "
                          "another layer's KV are not supported")
     family = _family(cfg)
-    num_layers = _positive_int(cfg, "num_hidden_layers")
+    num_layers = _config_int(cfg, "num_hidden_layers")
     kinds = _layer_kinds(cfg, family, num_layers)
     shape = {"block_size": block_size, "num_kv_heads": _num_kv_heads(cfg, family),
              "head_size": _head_size(cfg, family), "dtype": _dtype(cfg, dtype)}
@@ -58,7 +59,7 @@ def layer_specs(config: Any, block_size: int, dtype: str | None = None) -> dict[
         elif kind == "sliding_attention":
             spec = SlidingWindow(**shape, window=_window(cfg, family))
         else:
-            spec = ChunkedLocalAttention(**shape, chunk_size=_positive_int(cfg, "attention_chunk_size"))
+            spec = ChunkedLocalAttention(**shape, chunk_size=_config_int(cfg, "attention_chunk_size"))
         specs[LAYER_NAME.format(i)] = spec
     return specs
 
@@ -67,16 +68,15 @@ def check_parallel_sizes(config: Any, tensor_parallel_size: int = 1, pipeline_pa
     """Raise ValueError unless the parallel sizes divide heads, KV heads and layers evenly."""
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
                         ("pipeline_parallel_size", pipeline_parallel_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_int(name, value, 1)
     cfg = _text_config(_as_dict(config))
     family = _family(cfg)
-    sizes = {"num_attention_heads": _positive_int(cfg, "num_attention_heads"),
+    sizes = {"num_attention_heads": _config_int(cfg, "num_attention_heads"),
              "num_key_value_heads": _num_kv_heads(cfg, family)}
     for field, count in sizes.items():
         if count % tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} does not divide {field}={count}")
-    layers = _positive_int(cfg, "num_hidden_layers")
+    layers = _config_int(cfg, "num_hidden_layers")
     if layers % pipeline_parallel_size:
         raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} does not divide "
                          f"num_hidden_layers={layers}")
@@ -163,32 +163,29 @@ def _window(cfg: dict, family: str | None) -> int:
     window = cfg.get("sliding_window")
     if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
         window = None  # transformers discards it: the layer would silently attend in full
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"config field sliding_window must be an integer >= 1 for sliding layers, got {window!r}")
     return window
 
 
-def _positive_int(cfg: dict, field: str) -> int:
-    value = cfg.get(field)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config field {field} must be an integer >= 1, got {value!r}")
-    return value
+def _config_int(cfg: dict, field: str) -> int:
+    return check_int(f"config field {field}", cfg.get(field), 1)
 
 
 def _num_kv_heads(cfg: dict, family: str | None) -> int:
     if cfg.get("num_key_value_heads") is None and family in _KV_HEADS_DERIVED:
-        return _positive_int(cfg, "num_attention_heads")
-    return _positive_int(cfg, "num_key_value_heads")
+        return _config_int(cfg, "num_attention_heads")
+    return _config_int(cfg, "num_key_value_heads")
 
 
 def _head_size(cfg: dict, family: str | None) -> int:
     if family == "cohere2" or (cfg.get("head_dim") is None and family in _HEAD_DIM_DERIVED):
-        hidden, heads = _positive_int(cfg, "hidden_size"), _positive_int(cfg, "num_attention_heads")
+        hidden, heads = _config_int(cfg, "hidden_size"), _config_int(cfg, "num_attention_heads")
         if hidden % heads:
             raise ValueError(f"config fields hidden_size={hidden} and num_attention_heads={heads}: "
                              "no whole head_dim")
         return hidden // heads
-    return _positive_int(cfg, "head_dim")
+    return _config_int(cfg, "head_dim")
 
 
 def _dtype(cfg: dict, override: str | None) -> str:

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmanager import NULL_BLOCK_ID
 from kvmanager.specs import AttentionSpec
 from workers.protocol import RequestError, ScheduledChunk
-
-NULL_BLOCK_ID = 0
 
 
 @dataclass(slots=True)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 
-from kvmanager.specs import AttentionSpec, ChunkedLocalAttention, SlidingWindow
+from kvmanager.checks import check_int
+from kvmanager.specs import AttentionSpec
 from workers.attention import paged_attention, store_kv
 
 ATTN_IMPLEMENTATION = "swakv_paged"
@@ -68,7 +69,8 @@ def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     kv, batch = swakv
     layer = module.layer_idx
     spec = kv.specs[layer]
-    window = spec.window if isinstance(spec, SlidingWindow) else None
+    bounds = spec.kernel_bounds()
+    window = bounds["window"]
     if sliding_window is not _NOT_PASSED and sliding_window != window:
         raise RuntimeError(f"layer {layer}: model code uses sliding_window={sliding_window} but the KV spec says "
                            f"{window}; the config and the model class disagree")
@@ -78,7 +80,7 @@ def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
              null_ok=batch.padded)
     out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.block_tables[group][member],
                           batch.seq_lens, batch.query_lens, window=window, scale=scaling, softcap=softcap,
-                          chunk_size=spec.chunk_size if isinstance(spec, ChunkedLocalAttention) else None)
+                          chunk_size=bounds["chunk_size"])
     return out.unsqueeze(0), None
 
 
@@ -171,8 +173,7 @@ class StageModel:
 def check_tensor_parallel(model: PreTrainedModel, size: int, rank: int = 0) -> None:
     """Heads, KV heads and MLP width must split evenly, and the MLPs must be splittable: ValueError otherwise."""
     for name, value in (("tensor_parallel_size", size), ("tensor_parallel_rank", rank)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+        check_int(name, value)
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"need tensor_parallel_size >= 1 and 0 <= tensor_parallel_rank < size, got {size}, {rank}")
     config = model.config.get_text_config()

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import transformers
 
+from kvmanager.checks import check_int
 from kvmanager.planning import KVLayout, kv_layout
 from kvmanager.specs import AttentionSpec
 from workers.models.layer_kinds import LAYER_NAME, layer_specs
@@ -86,8 +87,7 @@ class Worker:
         ``cuda_graphs``: replay decode-only steps of up to ``max(graph_batch_sizes)`` sequences from CUDA
         graphs (a single stage without tensor parallelism); without CUDA the padded batch runs eagerly."""
         model = load_hf_model(model, seed)
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 2, "block 0 is the null block")
         check_tensor_parallel(model, tensor_parallel_size, tensor_parallel_rank)
         config = model.config.get_text_config()
         specs = _layer_specs(model, block_size)

@@ -17,8 +17,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvmanager.checks import check_int
 from kvmanager.planning import shard_spec, split_stages
-from kvmanager.specs import DTYPE_BYTES, AttentionSpec, ChunkedLocalAttention, FullAttention, SlidingWindow
+from kvmanager.specs import DTYPE_BYTES, AttentionSpec
 
 from .gpus import GpuPreset, get_gpu
 from .presets import ModelPreset, get_model_preset
@@ -60,18 +61,20 @@ class StepCost:
 def attended_pairs(spec: AttentionSpec, start: int, num_tokens: int) -> int:
     """Sum over query positions ``p`` in ``start .. start+num_tokens-1`` of the keys ``p`` attends to."""
     end = start + num_tokens
-    if isinstance(spec, FullAttention):
-        return _tri(end) - _tri(start)
-    if isinstance(spec, SlidingWindow):        # keys(p) = min(p + 1, W)
-        split = min(max(start, spec.window - 1), end)
-        return _tri(split) - _tri(start) + spec.window * (end - split)
-    if isinstance(spec, ChunkedLocalAttention):  # keys(p) = p mod C + 1
-        c, total = spec.chunk_size, 0
-        for k in range(start // c, (end - 1) // c + 1):
-            lo, hi = max(start, k * c) - k * c, min(end, (k + 1) * c) - k * c
+    bounds = spec.kernel_bounds()
+    window, chunk = bounds["window"], bounds["chunk_size"]
+    if window is not None and chunk is not None:
+        raise TypeError(f"{spec!r}: a window and a chunk together are not modelled")
+    if window is not None:                   # keys(p) = min(p + 1, W)
+        split = min(max(start, window - 1), end)
+        return _tri(split) - _tri(start) + window * (end - split)
+    if chunk is not None:                    # keys(p) = p mod C + 1
+        total = 0
+        for k in range(start // chunk, (end - 1) // chunk + 1):
+            lo, hi = max(start, k * chunk) - k * chunk, min(end, (k + 1) * chunk) - k * chunk
             total += _tri(hi) - _tri(lo)
         return total
-    raise TypeError(f"unknown attention spec {spec!r}")
+    return _tri(end) - _tri(start)           # full attention: keys(p) = p + 1
 
 
 def keys_read(spec: AttentionSpec, start: int, num_tokens: int) -> int:
@@ -90,8 +93,7 @@ class StepCostModel:
         self.model: ModelPreset = get_model_preset(model)
         self.gpu: GpuPreset = get_gpu(gpu)
         tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        check_int("tensor_parallel_size", tp, 1)
         if self.model.num_attention_heads % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads="
                              f"{self.model.num_attention_heads} of {self.model.name}")
@@ -148,6 +150,5 @@ def _check_seq(index: int, seq) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise ValueError(f"batch[{index}] must be a (start, num_tokens) pair, got {seq!r}") from None
     for name, value, low in (("start", start, 0), ("num_tokens", n, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"batch[{index}]: {name} must be an integer >= {low}, got {value!r}")
+        check_int(f"batch[{index}]: {name}", value, low)
     return start, n

@@ -18,7 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmanager.specs import DTYPE_BYTES, AttentionSpec, ChunkedLocalAttention, SlidingWindow
+from kvmanager.checks import check_int
+from kvmanager.specs import DTYPE_BYTES, AttentionSpec
 from workers.models.layer_kinds import layer_specs as _config_layer_specs
 
 # The fields a config may carry that make its MLP a mixture of experts (parameters cannot be estimated).
@@ -111,10 +112,7 @@ def from_config(name: str, config: dict, *, total_params: int | None, active_par
 
 
 def _field(cfg: dict, name: str) -> int:
-    value = cfg.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config field {name} must be an integer >= 1, got {value!r}")
-    return value
+    return check_int(f"config field {name}", cfg.get(name), 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -301,13 +299,7 @@ def describe_layers(specs: dict[str, AttentionSpec]) -> str:
     """'52 x sliding(window=1024) + 10 x full', kinds in order of first appearance."""
     counts: dict[str, int] = {}
     for spec in specs.values():
-        if isinstance(spec, SlidingWindow):
-            label = f"sliding(window={spec.window})"
-        elif isinstance(spec, ChunkedLocalAttention):
-            label = f"chunked_local(chunk={spec.chunk_size})"
-        else:
-            label = spec.kind
-        counts[label] = counts.get(label, 0) + 1
+        counts[spec.label] = counts.get(spec.label, 0) + 1
     return " + ".join(f"{n} x {label}" for label, n in counts.items())
 
 

@@ -24,15 +24,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvmanager import NULL_BLOCK_ID
+from kvmanager.checks import is_int, is_number
 from kvmanager.planning import as_full_attention, kv_layout
 from kvmanager.specs import AttentionSpec
 
+from workers.protocol import (GREEDY, RequestError, SamplingSpec, ScheduledChunk, StepInput, StepOutput,
+                              check_chunk_fields, check_compositions)
+
 from .cost_model import StepCostModel
 from .presets import get_model_preset
-from workers.protocol import (GREEDY, RequestError, SamplingSpec, ScheduledChunk, StepInput, StepOutput,
-                       check_chunk_fields, check_compositions, is_int)
-
-NULL_BLOCK_ID = 0
 
 
 class SimulatedWorker:
@@ -58,8 +59,7 @@ class SimulatedWorker:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not is_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
-        if isinstance(sleep_factor, bool) or not isinstance(sleep_factor, (int, float)) \
-                or not math.isfinite(sleep_factor) or sleep_factor < 0:
+        if not is_number(sleep_factor) or sleep_factor < 0:
             raise ValueError(f"sleep_factor must be a finite number >= 0, got {sleep_factor!r}")
         if pipeline_stage is not None and (cost_model is None or not is_int(pipeline_stage)
                                            or not 0 <= pipeline_stage < cost_model.pp):
