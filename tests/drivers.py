@@ -91,3 +91,29 @@ def slot_mapping(block_tables, seq_lens, query_lens, block_size: int):
     pos = seq_lens[seq_of_token] - query_lens[seq_of_token] + offset_in_step
     blocks = block_tables[seq_of_token, pos // block_size].long()
     return blocks * block_size + pos % block_size
+
+
+def execute_pipeline(stages, step):
+    """Run a step through consecutive stages in this process (``launch_pipeline`` checks it on every stage
+    first, so a bad step changes no stage), waiting for the last stage's result."""
+    from workers.runtime.worker import PendingStep, launch_pipeline
+    out = launch_pipeline(stages, step)
+    return stages[-1].collect(out) if isinstance(out, PendingStep) else out
+
+
+def worker_from_kv_budget(model, *, block_size: int, kv_budget_bytes: int, layers=None, seed: int = 0, **kwargs):
+    """A worker with as many blocks as ``kv_budget_bytes`` holds for the layers its stage keeps (equal
+    stages, as the engine splits them)."""
+    from kvmanager.planning import kv_layout
+    from workers.models.layer_kinds import layer_specs
+    from workers.runtime.model_runner import stage_range
+    from workers.runtime.worker import Worker, load_hf_model
+    model = load_hf_model(model, seed)
+    specs = layer_specs(model.config.get_text_config(), block_size, str(model.dtype).removeprefix("torch."))
+    start, end = stage_range(len(specs), layers)
+    layout = kv_layout(specs, len(specs) // (end - start), kwargs.get("tensor_parallel_size", 1))
+    num_blocks = layout.num_blocks(kv_budget_bytes)
+    if num_blocks < 2:
+        raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds {num_blocks} blocks of {layout.block_bytes} "
+                         "bytes; at least 2 are needed (block 0 is the null block)")
+    return Worker(model, block_size=block_size, num_blocks=num_blocks, layers=layers, **kwargs)

@@ -133,22 +133,8 @@ class Worker:
             self.graphs = DecodeGraphs(self._run_padded, self._padding, lambda: self.inputs.generation,
                                        sizes=tuple(graph_batch_sizes), capture=self.device.type == "cuda")
 
-    @classmethod
-    def from_kv_budget(cls, model: Any, *, block_size: int, kv_budget_bytes: int,
-                       layers: tuple[int, int] | None = None, seed: int = 0, **kwargs) -> "Worker":
-        """As many blocks as ``kv_budget_bytes`` holds for the layers this stage keeps."""
-        model = load_hf_model(model, seed)
-        specs = _layer_specs(model, block_size)
-        start, end = stage_range(len(specs), layers)
-        layout, _ = _own_layout(specs, start, end, kwargs.get("tensor_parallel_size", 1))
-        per_block = layout.block_bytes
-        num_blocks = layout.num_blocks(kv_budget_bytes)
-        if num_blocks < 2:
-            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} holds {num_blocks} blocks of {per_block} bytes; "
-                             "at least 2 are needed (block 0 is the null block)")
-        return cls(model, block_size=block_size, num_blocks=num_blocks, layers=layers, **kwargs)
-
     def kv_cache_bytes(self) -> int:
+        """Bytes of this worker's K/V tensors (introspection: slots shared by groups count once)."""
         tensors = {id(t): t for pair in self.kv.caches.values() for t in pair}   # slots are shared by groups
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -334,13 +320,6 @@ def _own_layout(specs: list[AttentionSpec], start: int, end: int, tensor_paralle
     layout = kv_layout({LAYER_NAME.format(i): s for i, s in enumerate(specs)}, len(specs) // (end - start),
                        tensor_parallel_size)
     return layout, start // (end - start)
-
-
-def execute_pipeline(stages: Sequence, step: StepInput) -> StepOutput:
-    """Run a step through consecutive stages (real or simulated workers) in one process, checking it on
-    every stage first, so a bad step changes no stage (a single stage checks it as it executes)."""
-    out = launch_pipeline(stages, step)
-    return stages[-1].collect(out) if isinstance(out, PendingStep) else out
 
 
 def launch_pipeline(stages: Sequence, step: StepInput, feedback: Sampled | None = None):
