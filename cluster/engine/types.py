@@ -11,37 +11,32 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TypedDict
 
-from kvmanager.checks import is_int
+from kvmanager.checks import is_int, is_number
 from workers.protocol import SamplingSpec
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """A request's limits and stops (the engine's) and how it samples (the workers', as ``spec``)."""
+class SamplingParams(SamplingSpec):
+    """How a request samples (the workers' ``SamplingSpec`` knobs, sent as ``spec``), plus the engine's
+    limits and stops. A knob added to ``SamplingSpec`` is a knob here, and on the HTTP edge when its
+    request body has a field of that name (``cluster/serve/server.py``)."""
 
     max_tokens: int | None = None          # None: the rest of the context, as far as the pool lets one request go
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] | dict = ()
-    logprobs: int | None = None
-    seed: int | None = None                # any integer in [-2**63, 2**64); sent reduced mod 2**64
     stop_token_ids: tuple[int, ...] = ()
+    # ``seed``: any integer in [-2**63, 2**64), kept reduced mod 2**64 (what the workers take)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+        if not is_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
-        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**64):
-            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.seed is not None:
+            if not is_int(self.seed) or not -2**63 <= self.seed < 2**64:
+                raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
+            object.__setattr__(self, "seed", self.seed % 2**64)
+        super().__post_init__()            # checks every knob: ValueError names it
         knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingSpec)}
-        knobs["seed"] = None if self.seed is None else self.seed % 2**64
-        object.__setattr__(self, "spec", SamplingSpec(**knobs))   # checks every knob: ValueError names it
+        object.__setattr__(self, "spec", SamplingSpec(**knobs))
 
 
 class _BuiltModelInfo(TypedDict):

@@ -32,6 +32,9 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from workers.protocol import SamplingSpec
+
+from cluster.engine.tokenizer import StreamDecoder, load_tokenizer
 from cluster.engine.types import ModelInfo, SamplingParams
 from cluster.routing.policies import make_router
 from cluster.routing.prompt import PromptHashes
@@ -42,7 +45,6 @@ from .openai import (DEFAULT_MAX_BODY_BYTES, LOGPROB_FLOOR, MAX_CHOICES, MAX_PRO
                      RETRY_ELSEWHERE, APIError, Body, ChatBody, CompletionBody, engine_restarted, error_from_engine,
                      error_from_item, parse_body, refuse_unsupported, response_id, stop_strings)
 from .streaming import EventStream, ResponseChoice, cancel, sse, usage
-from cluster.engine.tokenizer import StreamDecoder, load_tokenizer
 
 ENGINE_CALL_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
@@ -73,7 +75,7 @@ class OpenAIServer:
                  max_model_len: int, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, router: str = "prefix",
                  router_seed: int = 0):
         """``engine_names``: the engine replicas' actor names (one name: one replica); ``router``: how a
-        request picks one (``cluster/router.py``)."""
+        request picks one (``cluster/routing/policies.py``)."""
         self.engine_names = [engine_names] if isinstance(engine_names, str) else list(engine_names)
         self.namespace = namespace
         self.model_name, self.max_model_len = model_name, max_model_len
@@ -192,17 +194,14 @@ class OpenAIServer:
         stop = list(body.stop_token_ids)
         if not body.ignore_eos:   # the tokenizer's EOS and the model's (generation_config), as transformers
             stop += [t for t in (self.tokenizer.eos_token_id, *self._eos_token_ids) if t is not None]
-        if isinstance(body, ChatBody):
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        else:
-            logprobs = body.logprobs
+        # Every sampling knob the body has a field of the same name for, then the ones it spells its own way.
+        knobs = {f.name: getattr(body, f.name) for f in dataclasses.fields(SamplingSpec) if f.name in type(body).model_fields}
+        knobs.update(top_k=max(body.top_k, 0),
+                     logit_bias={int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
+                     logprobs=((body.top_logprobs or 0) if body.logprobs else None) if isinstance(body, ChatBody)
+                     else body.logprobs)
         try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                logit_bias={int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
-                logprobs=logprobs, seed=body.seed, stop_token_ids=tuple(dict.fromkeys(stop)))
+            return SamplingParams(**knobs, max_tokens=max_tokens, stop_token_ids=tuple(dict.fromkeys(stop)))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
 
@@ -335,7 +334,7 @@ class OpenAIServer:
             self._check_length(len(ids), field)
             self._check_ids(ids, field)
         self._check_ids(list(params.stop_token_ids), "stop_token_ids")
-        self._check_ids(list(params.logit_bias), "logit_bias")
+        self._check_ids([t for t, _ in params.logit_bias], "logit_bias")
         choices = self._choices(request_id, body, prompts, params, echoes or [""] * len(prompts))
         events = await self._run(choices, [PromptHashes(ids) for ids in prompts])
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
