@@ -7,7 +7,7 @@ random tokens, M new tokens each, all submitted at once, no EOS (every request m
 Rows (JSON lines in --out, a table at the end):
   hf_generate_batch   transformers' continuous batching (paged), timed as one call; TTFT from its timestamps
   hf_generate         transformers' padded ``generate`` on the same prompts (equal lengths: no padding)
-  swakv               the engine (``cluster.llm.build_engine``, no Ray) in four configurations: one step at a
+  swakv               the engine (``cluster.engine.build.build_engine``, no Ray) in four configurations: one step at a
                       time or overlapped (``async``), eager or CUDA-graph decode (``graphs``); then the
                       fastest at the other concurrencies and on prompts sharing a prefix (``--shared-prefix``)
 Per row: output tok/s (output tokens / wall time from submission to the last token), TTFT (mean, p50,

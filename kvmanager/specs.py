@@ -67,7 +67,7 @@ class AttentionSpec:
         next candidate is ``i`` itself: a cold search of a sliding window of ``R`` blocks tests about one
         block in ``R``. Blocks already known cached are not tested twice. ``first_miss(start, stop)``, if
         given, replaces the block-by-block test: the first block in ``[start, stop)`` not cached, else
-        ``stop`` (a caller holding a set of hashes answers it at C speed; see ``cluster/router.py``).
+        ``stop`` (a caller holding a set of hashes answers it at C speed; see ``cluster/routing/policies.py``).
         """
         if first_miss is None:
             def first_miss(i: int, stop: int) -> int:

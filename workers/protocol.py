@@ -37,7 +37,7 @@ GREEDY_BELOW = 1e-5                    # temperatures below this are greedy (as 
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How a request picks its next tokens (order of application: ``workers/sampling.py``)."""
+    """How a request picks its next tokens (order of application: ``workers/runtime/sampling.py``)."""
 
     temperature: float = 0.0             # < GREEDY_BELOW: greedy (argmax after bias and penalties)
     top_p: float = 1.0                   # (0, 1]: the smallest set of tokens holding this much probability

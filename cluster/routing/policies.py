@@ -203,11 +203,8 @@ class PrefixAware(Router):
     does not say when they start (the overload rule below covers it).
 
     Why not simply the fewest estimated steps, hit or not: each request moved off its hit copies a prefix
-    into another replica's queue and cache, which the requests after it pay for. In ``bench/router_sim.py``
-    that greedy rule lost 3-4 points of hit rate at the load test's rates, for the same median TTFT, and
-    at twice chat's rate its hit rate fell from 49% to 35% and its median TTFT doubled. The work a move
-    adds is counted twice (the prefill itself, and the queue and cache room it takes from later
-    requests); counted once, it measured within a point of that.
+    into another replica's queue and cache, which the requests after it pay for; so the work a move adds
+    is counted twice (the prefill itself, and the queue and cache room it takes from later requests).
 
     Overloaded, one of two ways, and then the request may escape to a replica that is neither, drawing
     two of those (power of two choices) and taking the one with the fewer estimated steps:
@@ -224,12 +221,8 @@ class PrefixAware(Router):
       room. Without it, chat traffic that shares one system prompt filled two replicas and left the
       third idle.
 
-    Measured in ``bench/router_sim.py`` (five seeds; ``docs/loadtest.md``): at twice chat's rate, the
-    previous rule (draw from every replica) sent sessions away from their history: 47% of prompt tokens
-    found cached and a median TTFT of 546 ms, against 53% and 370 ms with the escape bound. One shared
-    system prompt at the load test's rate: p99 704 -> 131 ms with the full-pool rule, median 35 -> 30 ms.
-    One step's prefill as the queue bound kept more hits at twice the rate but raised the p99 at 1.5x
-    from 691 to 1,074 ms; eight steps lost 7 points of hits at twice the rate."""
+    The measurements behind each rule and bound (``bench/router_sim.py``) are in ``docs/serving.md`` and
+    ``docs/loadtest.md``."""
 
     name = "prefix"
 
