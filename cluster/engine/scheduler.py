@@ -107,7 +107,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
         self._forget: list[str] = []          # finished or preempted requests whose mirrors may be stale
-        self._on_workers: set[str] = set()    # requests whose block-table mirrors the workers hold
+        self._mirrored: set[str] = set()      # requests whose block-table mirrors the workers hold
+        self._capacity: int | None = None     # the most tokens one request alone can reach (computed once)
         self._suspects: set[str] = set()      # requests of a step that failed with nobody to blame
         self._step_id = 0
         self.num_preemptions = 0
@@ -135,7 +136,7 @@ class Scheduler:
 
     def _pool_token_capacity(self) -> int:
         """The most tokens one request alone can reach in the pool (largest T whose peak fits)."""
-        if getattr(self, "_capacity", None) is None:
+        if self._capacity is None:
             usable, lo, hi = self.manager.num_blocks - 1, 1, self.manager.max_model_len
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -229,8 +230,8 @@ class Scheduler:
     def _close(self, plan: StepPlan, budget: int) -> StepPlan:
         if plan.step.chunks:  # otherwise nothing is sent: keep the mirrors to drop for the next step
             # Only mirrors the workers hold: a request that failed before its first chunk ran has none.
-            forget = list(dict.fromkeys(r for r in self._forget if r in self._on_workers))
-            self._on_workers.difference_update(forget)
+            forget = list(dict.fromkeys(r for r in self._forget if r in self._mirrored))
+            self._mirrored.difference_update(forget)
             plan.step.forget, self._forget = forget, []
             plan.step.compositions = self.manager.pop_compositions()
         plan.num_tokens = self.max_num_batched_tokens - budget
@@ -282,7 +283,7 @@ class Scheduler:
         each sampling chunk leaves a pending token until ``update``."""
         plan.launched = True
         for chunk, seq in zip(plan.step.chunks, plan.scheduled):
-            self._on_workers.add(chunk.request_id)   # its mirror now exists, even if it finished meanwhile
+            self._mirrored.add(chunk.request_id)   # its mirror now exists, even if it finished meanwhile
             if seq.status != "running":
                 continue  # aborted before the launch (its mirror is in _forget)
             seq.req.num_computed_tokens += len(chunk.token_ids)
@@ -365,7 +366,7 @@ class Scheduler:
         for seq in self.sequences.values():
             seq.pending = 0
         self._forget = []  # the new workers have no mirrors to drop, and know no composite
-        self._on_workers.clear()
+        self._mirrored.clear()
         if not self.manager.reset_prefix_cache():     # cached hashes would name KV the new workers lack
             raise RuntimeError("KV cache reset refused: blocks are still held after preempting every request")
         self.manager.replay_compositions()
