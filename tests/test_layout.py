@@ -46,7 +46,7 @@ LAYERS = (
 )
 # What a layer may import of a layer below it, when that is narrower than all of it.
 ONLY = {"cluster.routing": {"cluster.engine": ("cluster.engine.kv_events", "cluster.engine.types")}}
-# Third-party packages a layer (and all below it in the same tree) must never import.
+# Third-party packages a package (and every module under it) must never import.
 NO_THIRD_PARTY = {"cluster.engine": ("ray", "fastapi", "starlette", "pydantic", "httpx"), "workers": ("ray",)}
 
 
