@@ -22,7 +22,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray.dag import InputNode, MultiOutputNode  # noqa: E402
 
-from cluster.deltas import decode_step, encode_step  # noqa: E402
+from workers.wire import decode_step, encode_step  # noqa: E402
 from workers.protocol import ScheduledChunk, StepInput  # noqa: E402
 
 

@@ -35,11 +35,11 @@ def encode(model: str, seed: int) -> list[bytes]:
     """The batches (and a final snapshot) one replica publishes serving a small chat-like trace."""
     import random
 
-    from cluster.kv_events import EventPublisher
-    from cluster.llm import build_engine
-    from cluster.scheduler import SamplingParams
+    from cluster.engine.build import build_engine
+    from cluster.engine.kv_events import EventPublisher
+    from cluster.engine.types import SamplingParams
     rng = random.Random(seed)
-    from cluster.scheduler import blocks_to_finish
+    from cluster.engine.scheduler import blocks_to_finish
     kwargs = dict(simulated_gpu="H100-80GB", block_size=16, tensor_parallel_size=8, max_num_batched_tokens=512)
     probe, _ = build_engine(model, num_blocks=1000, **kwargs)
     # a pool of three of the trace's largest requests: later sessions evict earlier ones' blocks

@@ -21,6 +21,7 @@ makes no event until it is reused.
 """
 from __future__ import annotations
 
+from .checks import check_int
 from .free_queue import LAST_MESSAGE_TOKENS, FreeQueue
 
 NULL_BLOCK_ID = 0
@@ -50,8 +51,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, num_groups: int, widths: tuple[int, ...] | None = None,
                  last_message_tokens: int = LAST_MESSAGE_TOKENS):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 2, "block 0 is the null block")
         self.num_blocks = num_blocks
         self.widths = tuple(widths) if widths is not None else (1,) * num_groups
         self.blocks = [Block(i) for i in range(num_blocks)]

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.engine import Engine, EngineConfig
-from cluster.kv_events import EventPublisher, Gap, KVIndex, decode_batch, group_metadata, specs_from_metadata
-from cluster.scheduler import SamplingParams
+from cluster.engine.engine import Engine, EngineConfig
+from cluster.engine.kv_events import EventPublisher, decode_batch, group_metadata, specs_from_metadata
+from cluster.routing.kv_index import Gap, KVIndex
+from cluster.engine.types import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.hashing import hash_blocks, root_hash
 

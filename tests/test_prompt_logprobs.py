@@ -12,13 +12,15 @@ import pytest
 import torch
 import transformers
 
-from cluster.deltas import decode_output, encode_output
-from cluster.engine import Engine, EngineConfig
-from cluster.llm import DEFAULT_MODEL, LLM, build_engine
-from cluster.scheduler import SamplingParams
-from workers.protocol import StepOutput
+from cluster.engine.build import DEFAULT_MODEL, build_engine
+from cluster.engine.engine import Engine, EngineConfig
+from cluster.engine.llm import LLM
+from cluster.engine.types import SamplingParams
+from cluster.ray.executors import RayExecutor
 from kvmanager import FullAttention, SlidingWindow
-from workers.tiny_models import build_tiny_model
+from workers.models.tiny_models import build_tiny_model
+from workers.protocol import StepOutput
+from workers.wire import decode_output, encode_output
 
 from drivers import SimulatedExecutor
 
@@ -100,7 +102,8 @@ def test_pipeline_stages_score_the_prompt_on_the_last_stage():
 
 def test_tensor_and_pipeline_parallel_ranks_over_ray_score_the_prompt(ray_runtime):
     engine, _ = build_engine("tiny-gemma2", tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4,
-                             num_blocks=200, max_num_batched_tokens=CHUNK, use_ray=True, num_cpus_per_worker=0.5)
+                             num_blocks=200, max_num_batched_tokens=CHUNK, executor_cls=RayExecutor,
+                             num_cpus_per_worker=0.5)
     try:
         engine.add_request("scored", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=2))
         engine.add_request("both", PROMPT[:30], SamplingParams(max_tokens=3, prompt_logprobs=1))

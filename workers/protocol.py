@@ -34,25 +34,18 @@ again); a row that cannot be sampled (NaN logits) lands in ``StepOutput.failed``
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from kvmanager.checks import is_int, is_number
 
 
 MAX_LOGPROBS = 20                      # top logprobs a request may ask for (vLLM's default bound)
 GREEDY_BELOW = 1e-5                    # temperatures below this are greedy (as vLLM's sampler treats them)
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How a request picks its next tokens (order of application: ``workers/sampling.py``)."""
+    """How a request picks its next tokens (order of application: ``workers/runtime/sampling.py``)."""
 
     temperature: float = 0.0             # < GREEDY_BELOW: greedy (argmax after bias and penalties)
     top_p: float = 1.0                   # (0, 1]: the smallest set of tokens holding this much probability
@@ -74,15 +67,15 @@ class SamplingSpec:
             raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}") from None
         object.__setattr__(self, "logit_bias", bias)
         checks = (
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
-            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("temperature", is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0: off)"),
-            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            ("presence_penalty", _is_number(self.presence_penalty), "a finite number"),
-            ("frequency_penalty", _is_number(self.frequency_penalty), "a finite number"),
-            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("presence_penalty", is_number(self.presence_penalty), "a finite number"),
+            ("frequency_penalty", is_number(self.frequency_penalty), "a finite number"),
+            ("repetition_penalty", is_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "a finite number > 0"),
-            ("logit_bias", all(is_int(t) and t >= 0 and _is_number(b) for t, b in bias)
+            ("logit_bias", all(is_int(t) and t >= 0 and is_number(b) for t, b in bias)
              and len({t for t, _ in bias}) == len(bias), "distinct token ids >= 0 with finite biases"),
             ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or an integer in [0, {MAX_LOGPROBS}]"),
