@@ -19,9 +19,26 @@ def _serve(args: argparse.Namespace) -> int:
                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                  enable_prefix_caching=not args.no_prefix_caching, num_gpus_per_worker=args.num_gpus_per_worker,
                  spread_stages=args.spread_stages, simulated_gpu=args.simulated_gpu, device=args.device)
+    if args.sleep_factor:
+        if not args.simulated_gpu:
+            print("swakv serve: error: --sleep-factor needs --simulated-gpu (only simulated workers sleep)",
+                  file=sys.stderr)
+            return 2
+        build["sleep_factor"] = args.sleep_factor
     return serve_forever(build, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus,
                          dashboard=args.dashboard, max_body_bytes=args.max_body_bytes,
                          data_parallel_size=args.data_parallel_size, router=args.router)
+
+
+def _non_negative_float(text: str) -> float:
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def _add_serve(sub) -> None:
@@ -50,6 +67,8 @@ def _add_serve(sub) -> None:
                         "round-robin, least-loaded, or ray-prefix-tree (Ray Serve LLM's text-prefix policy)")
     p.add_argument("--simulated-gpu", default=None,
                    help="serve a preset with simulated workers timed as on this GPU (e.g. H100-80GB)")
+    p.add_argument("--sleep-factor", type=_non_negative_float, default=0.0,
+                   help="with --simulated-gpu: the workers sleep the modelled step time x this (default 0: no sleep)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_positive_int, default=8000)
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
