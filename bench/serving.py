@@ -98,8 +98,8 @@ def process_name(pid: int) -> str:
         return "?"
     if not argv:
         return "?"
-    if argv[0].startswith("ray::"):
-        return argv[0].split()[0]
+    if argv[0].startswith("ray::"):   # Ray appends the running method: ray::EngineService.kv_events
+        return argv[0].split()[0].split(".")[0]
     if "cluster" in argv and "serve" in argv:
         return "server"
     base = os.path.basename(argv[0])
