@@ -150,12 +150,22 @@ def test_a_reader_that_detached_makes_send_raise_and_a_silent_one_times_out():
         writer.send(b"1")
         writer.send(b"2")
         assert second.recv(timeout=1) == b"1" and second.recv(timeout=1) == b"2"
-        with pytest.raises(ChannelTimeout, match=r"reader\(s\) \[0\]"):
+        with pytest.raises(ChannelTimeout, match=r"reader\(s\) \[0\] did not read for the timeout; their pids"):
             writer.send(b"3", timeout=0.3)
         first.close()
         with pytest.raises(ChannelError, match="reader 0 .* detached with messages unread"):
             writer.send(b"3", timeout=30)
         second.close()
+
+
+def test_a_reader_that_never_attached_is_named_when_send_times_out():
+    with ShmBroadcast(2, slots=2, slot_bytes=64) as writer:
+        with ShmReader(writer.handle, 1) as present:
+            writer.send(b"1")
+            writer.send(b"2")
+            assert present.recv(timeout=1) == b"1" and present.recv(timeout=1) == b"2"
+            with pytest.raises(ChannelTimeout, match=r"reader\(s\) \[0\] did not read .*\(\[0\] never attached\)"):
+                writer.send(b"3", timeout=0.3)
 
 
 def test_recv_times_out_when_nothing_comes_and_the_channel_stays_usable():

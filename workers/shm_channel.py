@@ -13,10 +13,11 @@ larger than a slot travels as consecutive fragments; one larger than the ring st
 writer waiting for space. A slot is overwritten only once every reader has read it.
 
 Ordering across processes rests on two facts: a counter is one aligned 8-byte store (memoryview of
-"Q"), written after the data it publishes (x86-64 keeps stores in order); and between setting its
-sleeping flag and reading the counter a side makes a call that releases the GIL, whose mutex is a
-full barrier, so a writer and a reader never both miss each other's store (no lost wake-up). Sleeps are
-bounded by ``poll_s`` anyway, at which a sleeper checks that the other side is alive.
+"Q"), written after the data it publishes (x86-64 keeps stores in order); and between storing a
+counter or a flag and reading the other side's, each side passes a full barrier (``_fence``: a lock's
+acquire and release are atomic read-modify-writes), so a writer and a reader never both miss each
+other's store (no lost wake-up). Sleeps are bounded by ``poll_s`` anyway, at which a sleeper checks that
+the other side is alive.
 
 Wake-ups are 1-byte datagrams on Linux abstract-namespace Unix sockets named after the segment: nothing
 to pass between processes, nothing left on disk. Errors are raised, never waited out: a reader that
@@ -27,12 +28,14 @@ closed raises ``ChannelClosed`` once the ring is drained. Linux only (abstract s
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 MAGIC = 0x53574B5652494E47          # "SWKVRING"
 HEADER_WORDS = 8                    # magic, readers, slots, slot_bytes, written, closed, writer pid, writer waiting
@@ -80,6 +83,15 @@ def _alive(pid: int) -> bool:
         return True
 
 
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: acquiring and releasing a lock are atomic read-modify-writes."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
 def _unlink(name: str) -> None:
     try:
         os.unlink(f"/dev/shm/{name}")
@@ -92,12 +104,25 @@ def _address(name: str, who: str) -> bytes:
 
 
 class _Ring:
-    """The mapped segment and its word view; shared by both ends."""
+    """The mapped segment and its word view; shared by both ends. ``owner``: the writer's
+    ``SharedMemory`` (registered with its process's resource tracker, which unlinks it if the writer
+    dies), else None: a reader maps the segment itself, so no tracker of its own ever unlinks it."""
 
-    def __init__(self, shm: shared_memory.SharedMemory, handle: ChannelHandle):
-        self.shm, self.handle = shm, handle
-        self.buf = shm.buf
-        self.words = shm.buf.cast("Q")
+    def __init__(self, handle: ChannelHandle, owner: shared_memory.SharedMemory | None = None):
+        self.handle, self.owner = handle, owner
+        if owner is not None:
+            self._map, self.buf = None, owner.buf
+        else:
+            try:
+                fd = os.open(f"/dev/shm/{handle.name}", os.O_RDWR)
+            except FileNotFoundError:
+                raise ChannelError(f"channel {handle.name} does not exist (closed, or never created)") from None
+            try:
+                self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self.buf = memoryview(self._map)
+        self.words = self.buf.cast("Q")
         self.stride = SLOT_HEADER_BYTES + handle.slot_bytes
         self.slots_at = 8 * (HEADER_WORDS + READER_WORDS * handle.num_readers)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -111,7 +136,7 @@ class _Ring:
         return HEADER_WORDS + READER_WORDS * reader + field
 
     def drain(self) -> None:
-        """Read pending wake-ups (a system call that releases the GIL: a full barrier, see the docstring)."""
+        """Read pending wake-ups, so that the next sleep waits for a new one."""
         while True:
             try:
                 self.sock.recv(64)
@@ -139,8 +164,12 @@ class _Ring:
     def release(self) -> None:
         self.sock.close()
         self.words.release()
+        if self.owner is not None:
+            self.owner.close()
+        else:
+            self.buf.release()
+            self._map.close()
         self.buf = self.words = None
-        self.shm.close()
 
 
 class ShmBroadcast:
@@ -159,7 +188,7 @@ class ShmBroadcast:
         name = f"swakv-{os.getpid()}-{secrets.token_hex(4)}"
         self.handle = ChannelHandle(name, num_readers, slots, slot_bytes)
         shm = shared_memory.SharedMemory(name, create=True, size=_Ring.size(num_readers, slots, slot_bytes))
-        self._ring = _Ring(shm, self.handle)
+        self._ring = _Ring(self.handle, owner=shm)
         w = self._ring.words
         w[1], w[2], w[3], w[6] = num_readers, slots, slot_bytes, os.getpid()
         w[0] = MAGIC
@@ -188,7 +217,7 @@ class ShmBroadcast:
             ring.words[slot] = size
             ring.words[slot + 1] = LAST if offset >= total else 0
             ring.words[4] = seq + 1          # publish
-            os.sched_yield()                 # releases the GIL: a barrier before reading the sleeping flags
+            _fence()                         # before reading the sleeping flags
             for r in range(h.num_readers):
                 if ring.words[ring.reader_word(r, 1)]:
                     ring.wake(f"r{r}")
@@ -206,6 +235,7 @@ class ShmBroadcast:
                 return
         while True:
             words[7] = 1
+            _fence()
             ring.drain()
             if seq - min(words[i] for i in reads) < h.slots:
                 words[7] = 0
@@ -215,8 +245,10 @@ class ShmBroadcast:
             if deadline is not None and now >= deadline:
                 words[7] = 0
                 lagging = [r for r, i in enumerate(reads) if seq - words[i] >= h.slots]
-                raise ChannelTimeout(f"channel {h.name}: reader(s) {lagging} did not read for the timeout; "
-                                     f"their pids {[words[ring.reader_word(r, 2)] for r in lagging]}")
+                absent = [r for r in lagging if words[ring.reader_word(r, 3)] != ATTACHED]
+                raise ChannelTimeout(f"channel {h.name}: reader(s) {lagging} did not read for the timeout"
+                                     + (f" ({absent} never attached)" if absent else "")
+                                     + f"; their pids {[words[ring.reader_word(r, 2)] for r in lagging]}")
             ring.sleep(self.poll_s if deadline is None else min(self.poll_s, deadline - now))
 
     def _check_readers(self, seq: int) -> None:
@@ -242,10 +274,10 @@ class ShmBroadcast:
         self.closed = True
         ring = self._ring
         ring.words[5] = 1
-        os.sched_yield()
+        _fence()
         for r in range(self.handle.num_readers):
             ring.wake(f"r{r}")
-        shm = ring.shm
+        shm = ring.owner
         ring.release()
         shm.unlink()
 
@@ -264,17 +296,8 @@ class ShmReader:
             raise ValueError(f"reader index must lie in [0, {handle.num_readers}), got {index!r}")
         if not (spin_s >= 0 and poll_s > 0):
             raise ValueError(f"spin_s must be >= 0 and poll_s > 0, got {spin_s!r}, {poll_s!r}")
-        try:
-            shm = shared_memory.SharedMemory(handle.name)
-        except FileNotFoundError:
-            raise ChannelError(f"channel {handle.name} does not exist (closed, or never created)") from None
-        ring = _Ring(shm, handle)
+        ring = _Ring(handle)
         w = ring.words
-        if w[6] != os.getpid():
-            # Python < 3.13 registers an attached segment with this process's resource tracker, which would
-            # unlink it when this process exits: the writer owns it (in the writer's own process, the
-            # registration is the writer's, kept).
-            resource_tracker.unregister(shm._name, "shared_memory")   # noqa: SLF001
         if (w[0], w[1], w[2], w[3]) != (MAGIC, handle.num_readers, handle.slots, handle.slot_bytes):
             ring.release()
             raise ChannelError(f"channel {handle.name}: the segment does not match its handle")
@@ -307,6 +330,7 @@ class ShmReader:
             size, flags = words[at // 8], words[at // 8 + 1]
             parts.append(bytes(ring.buf[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + size]))
             words[self._read] = seq + 1      # the slot is free for the writer
+            _fence()                         # before reading the writer's waiting flag
             if words[7]:
                 ring.wake("w")
             if flags & LAST:
@@ -320,7 +344,8 @@ class ShmReader:
                 return
         while True:
             words[self._sleeping] = 1
-            ring.drain()                      # a barrier between the flag and the counter (see the docstring)
+            _fence()                          # between the flag and the counter (see the docstring)
+            ring.drain()
             if words[4] != seq:
                 words[self._sleeping] = 0
                 return
