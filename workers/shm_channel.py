@@ -22,8 +22,9 @@ the other side is alive.
 Wake-ups are 1-byte datagrams on Linux abstract-namespace Unix sockets named after the segment: nothing
 to pass between processes, nothing left on disk. Errors are raised, never waited out: a reader that
 died, detached or lags past ``timeout`` makes ``send`` raise naming it; a writer that died makes
-``recv`` raise (and unlink the segment, which the writer can no longer do); ``recv`` after the writer
-closed raises ``ChannelClosed`` once the ring is drained. Linux only (abstract sockets, /dev/shm).
+``recv`` raise (and unlink the segment, which the writer can no longer do; the writer's resource
+tracker would too, and says so if it finds the name gone); ``recv`` after the writer closed raises
+``ChannelClosed`` once the ring is drained. Linux only (abstract sockets, /dev/shm).
 """
 from __future__ import annotations
 
