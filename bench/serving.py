@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -270,7 +271,7 @@ async def stream_completion(host: str, port: int, body: bytes, timeout_s: float,
                         out.times.append(now)
                         out.tokens += n
     except TimeoutError:   # asyncio.timeout raises the builtin TimeoutError
-        out.error = f"no end within {timeout_s:.0f} s ({out.tokens} tokens)"
+        out.error = f"no end within {timeout_s:g} s ({out.tokens} tokens)"
     except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -520,6 +521,8 @@ def main() -> int:
     if any(f < 0 for f in args.sleep_factor) or args.idle_s <= 0 or args.idle_window <= 0:
         ap.error("sleep factors must be >= 0, idle times > 0")
     if args.profile:
+        if not shutil.which("py-spy"):
+            ap.error("--profile needs py-spy (pip install py-spy)")
         os.makedirs(args.profile, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)   # a SIGTERM stops the server too, as Ctrl-C does
     rng = random.Random(args.seed)
