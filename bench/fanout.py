@@ -15,7 +15,8 @@ ends when every answer is back (a broadcast to the tensor-parallel ranks of a no
 Per step: latency p50/p99 and the driver's CPU per step (``--work-ms`` makes each reader sleep that long
 before it answers, as a GPU step would: then the driver's CPU is what waiting costs). Idle: after
 ``--idle-s`` seconds with nothing sent, each process's CPU share over the last ``--idle-window`` seconds.
-Each mechanism runs with only its own actors alive (a polling actor would slow the others), and the
+``--floor`` first times the ring alone (plain processes, no Ray, no decoding). Each mechanism runs with
+only its own actors alive (a polling actor would slow the others), and the
 whole sequence ``--rounds`` times, so drift on this shared machine shows as a difference between rounds.
 
     PYTHONPATH=. python bench/fanout.py [--readers 1 2 4] [--steps 400] [--idle-s 30]
@@ -173,6 +174,49 @@ MECHANISMS = {
 }
 
 
+def _floor_echo(handle, index: int, replies, spin_s: float) -> None:
+    reader = ShmReader(handle, index, spin_s=spin_s)
+    reply = ShmBroadcast(1, slots=4, slot_bytes=4096, spin_s=spin_s)
+    replies.put(reply.handle)
+    try:
+        while True:
+            reader.recv()
+            reply.send(b"ok")
+    except Exception:  # noqa: BLE001 - the ring closed
+        reader.close()
+        reply.close()
+
+
+def ring_floor(n: int, spin_s: float, payload_bytes: int, steps: int) -> list[float]:
+    """The ring alone: N plain processes (no Ray) echo a payload of random bytes without decoding it."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    ring = ShmBroadcast(n, slots=8, slot_bytes=64 << 10, spin_s=spin_s)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_floor_echo, args=(ring.handle, i, queue, spin_s)) for i in range(n)]
+    for p in procs:
+        p.start()
+    replies = [ShmReader(queue.get(timeout=120), 0, spin_s=spin_s) for _ in procs]
+    payload, lat = os.urandom(payload_bytes), []
+    try:
+        for k in range(steps + 50):
+            t0 = time.perf_counter()
+            ring.send(payload, timeout=60)
+            for r in replies:
+                r.recv(timeout=60)
+            if k >= 50:
+                lat.append(time.perf_counter() - t0)
+    finally:
+        ring.close()
+        for r in replies:
+            r.close()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return lat
+
+
 def measure(mech, steps: int) -> tuple[list[float], float]:
     for _ in range(10):
         mech.step()
@@ -211,10 +255,17 @@ def main() -> None:
     ap.add_argument("--idle-readers", type=int, default=None, help="idle CPU measured with this many readers "
                                                                    "(default: the largest)")
     ap.add_argument("--only", nargs="+", choices=list(MECHANISMS), default=list(MECHANISMS))
+    ap.add_argument("--floor", action="store_true", help="first, the ring alone between plain processes")
     ap.add_argument("--out", help="append JSON lines here")
     args = ap.parse_args()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     payload = decode_payload(args.requests)
+    if args.floor:
+        for n in args.readers:
+            for spin in (0.0, 1e-4):
+                lat = ring_floor(n, spin, len(payload), args.steps)
+                print(f"floor: shm ring without Ray or decoding, readers {n}, spin {1e6 * spin:3.0f} us: "
+                      f"p50 {1e3 * pct(lat, 0.5):.3f} ms  p99 {1e3 * pct(lat, 0.99):.3f} ms", flush=True)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"step payload: {len(payload)} bytes ({args.requests} decode requests); 2 cores, load "
           f"{os.getloadavg()[0]:.1f} at start", flush=True)
     rows = []
