@@ -39,6 +39,15 @@ class WorkerFailure(RuntimeError):
     """A worker died or stopped answering; its KV cache is gone."""
 
 
+class RestartFailed(RuntimeError):
+    """The workers were lost and new ones could not be started (``cause``); ``updates``: the requests the
+    failed step's blame finished, which the caller still has to deliver (``EngineCore`` retries)."""
+
+    def __init__(self, cause: BaseException, updates: list):
+        super().__init__(str(cause))
+        self.cause, self.updates = cause, updates
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int = 4096
@@ -78,6 +87,7 @@ class Engine:
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
         self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
+        self.restarting = False                 # the workers are being replaced (read by health probes)
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
                     extra_keys: tuple = (), block_hashes: dict[int, list[bytes]] | None = None) -> None:
@@ -189,9 +199,8 @@ class Engine:
             waited = getattr(self.executor, "last_wait_s", None)
             self.metrics.wait_time_s += spent if waited is None else min(waited, spent)
 
-    # The phases, for callers that run ``executor.execute`` off their event loop: ``schedule``, ``apply``,
-    # ``isolate``, ``blame`` and ``after_restart`` mutate state and must not overlap ``add_request`` /
-    # ``abort``; ``executor.execute`` and ``executor.restart`` touch none.
+    # The phases ``step`` is made of. Nothing here is thread-safe: one thread at a time drives an engine
+    # (``EngineCore`` applies every other caller's commands between steps).
     def schedule(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
         if not plan.step.chunks:
@@ -234,7 +243,7 @@ class Engine:
 
     def recover(self, plan: StepPlan | None = None) -> list[SequenceUpdate]:
         """After a failed step nobody can be blamed for: restart the workers; running requests recompute
-        from their tokens. Raises what ``executor.restart`` raises when no worker can be started."""
+        from their tokens. Raises ``RestartFailed`` when no worker can be started."""
         return self.recover_steps([plan] if plan is not None else [])
 
     def recover_steps(self, plans: list[StepPlan]) -> list[SequenceUpdate]:
@@ -242,7 +251,13 @@ class Engine:
         scheduled = list({id(seq): seq for p in plans for seq in p.scheduled}.values())
         updates = self.blame(StepPlan(StepInput(-1, []), scheduled)) if scheduled else []
         self._inflight = None
-        self.executor.restart()
+        self.restarting = True
+        try:
+            self.executor.restart()
+        except Exception as exc:  # noqa: BLE001 - the caller decides when to try again
+            raise RestartFailed(exc, updates) from exc
+        finally:
+            self.restarting = False
         self.after_restart()
         return updates
 
@@ -250,13 +265,13 @@ class Engine:
         self.metrics.worker_restarts += 1
         self.metrics.recomputed_requests += self.scheduler.recompute_all()
 
-    def fail_all(self, message: str) -> list[SequenceUpdate]:
+    def fail_all(self, message: str, error_type: str = "engine_unavailable") -> list[SequenceUpdate]:
         """Finish every request with reason "error" (no workers, shutting down)."""
         self._inflight = None
         updates = []
         for rid in list(self.scheduler.sequences):
             self.scheduler.fail(rid, "error", message)
-            updates.append(SequenceUpdate(rid, [], True, "error", error=message))
+            updates.append(SequenceUpdate(rid, [], True, "error", error=message, error_type=error_type))
         self._count(updates)
         return updates
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from .args import EngineArgs
 from .build import build_engine
+from .core import EngineCore
 from .types import SamplingParams
 
 
@@ -31,9 +32,14 @@ class LLM:
         max_num_batched_tokens=512, enable_prefix_caching=True, ...``), or an ``EngineArgs``."""
         self.args = model.replace(**engine_args) if isinstance(model, EngineArgs) else \
             EngineArgs(model=model, **engine_args)
-        self.engine, self.info = build_engine(self.args)
+        engine, self.info = build_engine(self.args)
+        self.core = EngineCore(engine)      # the step loop the served engine runs too
         self._tokenizer = None
         self._counter = 0
+
+    @property
+    def engine(self):
+        return self.core.engine
 
     @property
     def tokenizer(self):
@@ -68,11 +74,11 @@ class LLM:
         added = []
         try:
             for rid, tokens in zip(ids, token_prompts):
-                self.engine.add_request(rid, tokens, params)
+                self.core.add_request(rid, tokens, params)
                 added.append(rid)
         except Exception:
             for rid in added:
-                self.engine.abort(rid)
+                self.core.abort(rid)
             raise
         outputs = {rid: [] for rid in ids}
         scored = {rid: [None] for rid in ids}
@@ -82,9 +88,9 @@ class LLM:
             from tqdm import tqdm
             progress = tqdm(total=len(ids), desc="generate", unit="req")
         while len(reasons) < len(ids):
-            if not self.engine.has_work():
+            if not self.core.has_work():
                 raise RuntimeError("engine went idle with unfinished requests")  # never expected
-            for update in self.engine.step():
+            for update in self.core.step():
                 if update.request_id in outputs:
                     outputs[update.request_id].extend(update.new_token_ids)
                     scored[update.request_id].extend(update.prompt_logprobs or ())

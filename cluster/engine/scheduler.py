@@ -82,6 +82,8 @@ class SequenceUpdate:
     error: str | None = None              # why, when finish_reason is "error"
     prompt_logprobs: list | None = None   # per prompt position after those delivered before: (logprob, top ids,
                                           # top logprobs), if asked (positions 1 .. len(prompt) - 1 in all)
+    error_type: str | None = None         # with error: request_failed (None says so too) | engine_unavailable |
+                                          # server_shutting_down
 
 
 @dataclass

@@ -1,23 +1,32 @@
-"""The engine as an async Ray actor: a step loop that runs while there is work and sleeps when idle.
+"""The engine as an async Ray actor: one engine-core thread steps while there is work and sleeps when idle.
 
-A thin shell over ``Engine``: ``schedule`` / ``apply`` run on the actor's event loop (as do
-``add_request`` and ``abort``, so they never overlap). Everything that waits on Ray runs in a thread:
-building the engine (Ray runs an async actor's ``__init__`` on its event loop, so the build starts at the
-first call instead), each step, and a restart of the workers; the loop stays free to accept, stream and
-answer ``health``. Ray's warning about ``ray.get`` in an async actor fires for any thread of the
-process, so it is turned off here, as Ray Train does for its own async controller. Each request is
-a Ray streaming generator under an id the engine makes unique (the caller's id is only its label), so a
-retry that reuses a label can neither be aborted by its predecessor nor lose its stream. When a consumer
-goes away its generator is closed and the request aborted.
+A thin shell over ``EngineCore`` (``cluster/engine/core.py``: the step loop the offline ``LLM`` runs too,
+with its fault handling). The core thread builds the engine (Ray runs an async actor's ``__init__`` on its
+event loop, so the build starts at the first call instead), then runs the loop; ``add_request``, ``abort``
+and ``shutdown`` reach it through its inbox and run between two steps, so nothing touches the engine
+concurrently, and the event loop stays free to accept requests and answer ``health``, ``stats`` and
+``kv_events`` while a step runs. After each step the thread hands the loop one list of every update
+(``call_soon_threadsafe``), which the loop sorts to its consumers. Ray's warning about ``ray.get`` in an
+async actor fires for any thread of the process, so it is turned off here, as Ray Train does for its own
+async controller.
 
-Nothing one request does stops the loop (see ``cluster/engine/engine.py``). Its states, for readiness probes:
-``starting``; ``ready``; ``restarting`` (workers being replaced; requests wait); ``no_workers`` (a restart failed:
-requests are refused and it retries with back-off); ``stopping`` (shutdown: requests are refused and
-streams told so). An error in the engine's own bookkeeping fails every request and starts it afresh.
+Consumers. An HTTP frontend ``subscribe``s once (one long-lived Ray stream) and adds requests with
+``add_request``: each record it receives holds every update of its requests since the last one, so the
+engine sends one Ray message per step per frontend, however many requests run (a frontend that lags
+gets the steps it missed merged in one record). ``generate`` streams one request (tests, scripts). The
+engine names each request itself, uniquely (the caller's id is only its label), so a retry that reuses
+a label can neither be aborted by its predecessor nor lose its stream. A consumer that goes away (a
+closed ``generate``, a subscription whose frontend died) aborts its requests.
+
+Nothing one request does stops the loop. Its states, for readiness probes: ``starting``; ``ready``;
+``restarting`` (workers being replaced; requests wait); ``no_workers`` (a restart failed: requests are
+refused and it retries with back-off); ``stopping`` (shutdown: requests are refused and streams told
+so). An error in the engine's own bookkeeping fails every request and starts it afresh.
 
 KV-cache events (``cluster.engine.kv_events``): the manager's pool tells an ``EventPublisher`` what it caches and
-evicts; after every step the pending events become a numbered batch, and ``kv_events`` hands routers the
-batches they have not seen (long-polling), or a snapshot when they missed some, with the replica's load.
+evicts; after every step the core thread makes the pending events a numbered batch, and ``kv_events``
+hands routers the batches they have not seen (long-polling), or a snapshot (taken on the core thread)
+when they missed some, with the replica's load.
 """
 from __future__ import annotations
 
@@ -26,9 +35,11 @@ import functools
 import itertools
 import logging
 import os
+import threading
 
 from kvmanager.hashing import split_hashes
 
+from cluster.engine.core import EngineCore
 from cluster.engine.engine import Engine
 from cluster.engine.kv_events import EventPublisher, KVEventsReply
 from cluster.engine.scheduler import SequenceUpdate
@@ -53,6 +64,22 @@ class EngineUnavailable(RuntimeError):
         return self.message
 
 
+def stream_item(u: SequenceUpdate) -> StreamItem:
+    return StreamItem(request_id=u.request_id, token_ids=u.new_token_ids, finished=u.finished,
+                      finish_reason=u.finish_reason, logprobs=u.logprobs, num_cached_tokens=u.num_cached_tokens,
+                      error=u.error, error_type=(u.error_type or "request_failed") if u.error else None,
+                      prompt_logprobs=u.prompt_logprobs)
+
+
+class _Subscriber:
+    """One frontend's subscription: its pending (key, item) pairs and what wakes its stream."""
+
+    def __init__(self):
+        self.pending: list[tuple[int, StreamItem]] = []
+        self.wake = asyncio.Event()
+        self.requests: set[str] = set()          # engine ids of its unfinished requests
+
+
 class EngineService:
     """Wrap this with ``ray.remote`` (see ``start_engine_actors``); ``build`` returns (Engine, model info)."""
 
@@ -62,38 +89,108 @@ class EngineService:
         self.rank = rank
         self._build = functools.partial(build, *build_args, **build_kwargs)
         self._building: asyncio.Future | None = None
-        self.engine: Engine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.core: EngineCore | None = None
         self.info: ModelInfo | None = None
-        self._streams: dict[str, asyncio.Queue] = {}   # engine request id -> its consumer's queue
+        self._sinks: dict[str, object] = {}            # engine request id -> where its items go
+        self._subscribers: dict[str, _Subscriber] = {}
         self._ids = itertools.count(1)
-        self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
-        self.status, self.detail = "starting", "loading the model and starting the workers"
+        self.records = 0                                # subscription records sent (one Ray message each)
+        self._status, self._detail = "starting", "loading the model and starting the workers"
         self.events: EventPublisher | None = None       # once the engine is built
         self._published = asyncio.Event()               # set (and replaced) at each new batch
 
+    @property
+    def engine(self) -> Engine | None:
+        return self.core.engine if self.core is not None else None
+
+    @property
+    def status(self) -> str:
+        if self._status == "ready" and self.core is not None:
+            return self.core.status
+        return self._status
+
+    @property
+    def detail(self) -> str:
+        if self._status == "ready" and self.core is not None:
+            return self.core.detail
+        return self._detail
+
+    # -- the engine-core thread -------------------------------------------------------------------
     def _kick(self) -> None:
         if self._building is None:
-            self._building = asyncio.ensure_future(asyncio.to_thread(self._build))
+            self._loop = asyncio.get_running_loop()
+            self._building = self._loop.create_future()
+            threading.Thread(target=self._core_thread, name="engine-core", daemon=True).start()
 
-    async def _started(self) -> Engine:
-        """The engine, built in a thread by the first call that needs it; a build error is every caller's."""
-        if self.engine is None:
+    def _core_thread(self) -> None:
+        """Build the engine, then run the step loop until shutdown."""
+        try:
+            engine, info = self._build()
+            events = EventPublisher(engine.manager.specs, self.rank)
+            events.attach(engine.manager)
+            core = EngineCore(engine, on_reset=lambda fresh: events.attach(fresh.manager))   # empty: AllBlocksCleared
+        except Exception as exc:  # noqa: BLE001 - every caller's, through the future
+            self._loop.call_soon_threadsafe(self._built, None, exc)
+            return
+        self._loop.call_soon_threadsafe(self._built, (core, info, events), None)
+        try:
+            core.run(self._emit)
+        except BaseException:  # never expected: say so loudly rather than stop stepping in silence
+            log.exception("the engine-core thread stopped")
+            self._status, self._detail = "no_workers", "the engine-core thread stopped (see the actor's log)"
+            raise
+
+    def _built(self, result, exc) -> None:
+        if exc is not None:
+            self._status, self._detail = "no_workers", f"the engine failed to start: {exc}"
+            self._building.set_exception(exc)
+            return
+        self.core, self.info, self.events = result
+        self.info["replica"] = self.rank
+        if self._status == "starting":
+            self._status, self._detail = "ready", ""
+        self._building.set_result(None)
+
+    def _emit(self, updates: list[SequenceUpdate]) -> None:
+        """On the core thread, after a step or a command: this step's KV events become a batch, and the
+        loop gets the updates in one call."""
+        flushed = self.events.flush()
+        if updates or flushed:
+            self._loop.call_soon_threadsafe(self._deliver, updates, flushed)
+
+    def _deliver(self, updates: list[SequenceUpdate], flushed: bool = False) -> None:
+        """On the loop: each update to its request's consumer; wake the subscriptions and KV followers."""
+        woken = set()
+        for u in updates:
+            sink = self._sinks.get(u.request_id)
+            if sink is None:
+                continue
+            if u.finished:
+                del self._sinks[u.request_id]
+            woken.add(sink(u))
+        for subscriber in woken:
+            if subscriber is not None:
+                subscriber.wake.set()
+        if flushed:
+            self._published.set()
+            self._published = asyncio.Event()
+
+    async def _started(self) -> EngineCore:
+        """The engine core, built on its thread by the first call that needs it; a build error is every caller's."""
+        if self.core is None:
             self._kick()
-            try:
-                engine, info = await asyncio.shield(self._building)
-            except Exception as exc:
-                self.status, self.detail = "no_workers", f"the engine failed to start: {exc}"
-                raise
-            if self.engine is None:
-                self.engine, self.info = engine, info
-                self.events = EventPublisher(engine.manager.specs, self.rank)
-                self.events.attach(engine.manager)
-                self.info["replica"] = self.rank
-                if self.status == "starting":
-                    self.status, self.detail = "ready", ""
-        return self.engine
+            await asyncio.shield(self._building)
+        return self.core
 
+    async def _on_core(self, fn, *args):
+        """``fn(*args)`` on the core thread, between two steps."""
+        return await asyncio.wrap_future(self.core.call(fn, *args))
+
+    def _post(self, fn, *args) -> None:
+        self.core.call(fn, *args)
+
+    # -- requests ---------------------------------------------------------------------------------
     async def ready(self) -> ModelInfo:
         """Model info once the engine is built (starts it)."""
         await self._started()
@@ -105,25 +202,84 @@ class EngineService:
         self._kick()
         return {"status": self.status, "detail": self.detail}
 
+    async def _add(self, label: str, prompt_token_ids, params, block_hashes, sink) -> str:
+        """Queue a request on the core thread; its updates go to ``sink(update)``. Raises as ``add_request``."""
+        await self._started()
+        status = self.status
+        if status in ("no_workers", "stopping"):
+            raise EngineUnavailable(status, SHUTTING_DOWN if status == "stopping"
+                                    else f"the engine has no workers ({self.detail}); it keeps trying to start them")
+        sampling = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
+        request_id = f"{label}#{next(self._ids)}"
+        self._sinks[request_id] = sink     # before the core can step it
+        try:
+            await self._on_core(self.core.add_request, request_id, prompt_token_ids, sampling,
+                                split_hashes(block_hashes))   # ValueError: nothing queued
+        except BaseException:
+            self._sinks.pop(request_id, None)
+            raise
+        return request_id
+
+    async def subscribe(self, subscriber: str):
+        """A frontend's one stream of this engine's updates (``num_returns="streaming"``): first an empty
+        record once it is registered, then one record per step (or several steps merged, if the frontend
+        lags) of ``[(key, StreamItem), ...]`` for the requests it added with ``add_request(subscriber,
+        key, ...)``. A second subscription under the same name ends the first. When the stream ends (its
+        frontend died or cancelled it), the frontend's unfinished requests are aborted."""
+        await self._started()
+        old = self._subscribers.get(subscriber)
+        if old is not None:
+            self._abort_all(old)
+        sub = self._subscribers[subscriber] = _Subscriber()
+        try:
+            yield []
+            while True:
+                await sub.wake.wait()
+                sub.wake.clear()
+                record, sub.pending = sub.pending, []
+                self.records += 1
+                yield record
+        finally:
+            if self._subscribers.get(subscriber) is sub:
+                del self._subscribers[subscriber]
+            self._abort_all(sub)
+
+    def _abort_all(self, sub: _Subscriber) -> None:
+        for request_id in sub.requests:
+            self._sinks.pop(request_id, None)
+            self._post(self.core.abort, request_id)
+        sub.requests = set()
+
+    async def add_request(self, subscriber: str, key: int, label: str, prompt_token_ids: list[int],
+                          params: SamplingParams | dict | None = None, block_hashes: dict[int, bytes] | None = None) -> str:
+        """Queue a request whose updates travel on ``subscriber``'s stream under ``key``; returns the
+        engine's id for it (``label#n``, what ``abort`` takes). Raises before anything is queued:
+        ``EngineUnavailable`` (no workers, stopping, or no such subscription: the engine restarted),
+        ``ValueError`` (bad input)."""
+        sub = self._subscribers.get(subscriber)
+        if sub is None:
+            raise EngineUnavailable("restarting", f"no subscription {subscriber!r} (the engine restarted); "
+                                    "the request can be retried")
+
+        def sink(u: SequenceUpdate):
+            sub.pending.append((key, stream_item(u)))
+            if u.finished:
+                sub.requests.discard(u.request_id)
+            return sub
+        request_id = await self._add(label, prompt_token_ids, params, block_hashes, sink)
+        sub.requests.add(request_id)
+        return request_id
+
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                        block_hashes: dict[int, bytes] | None = None):
-        """Yields ``StreamItem``s (``cluster.engine.types``); ``request_id`` is the engine's own
+        """One request's ``StreamItem``s (``cluster.engine.types``); ``request_id`` is the engine's own
         (``label#n``), what ``abort`` takes. A request that fails ends with finish_reason "error", ``error``
         saying why and ``error_type`` one of request_failed, engine_unavailable, server_shutting_down.
         ``params``: ``SamplingParams`` (or a dict of its fields). ``block_hashes``: the prompt's leading
         block hashes per block size, concatenated, as a router computed them (``kvmanager.hashing.pack_hashes``)."""
-        await self._started()
-        if self.status in ("no_workers", "stopping"):
-            raise EngineUnavailable(self.status, SHUTTING_DOWN if self.status == "stopping"
-                                    else f"the engine has no workers ({self.detail}); it keeps trying to start them")
-        sampling = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
-        request_id = f"{label}#{next(self._ids)}"
-        self.engine.add_request(request_id, prompt_token_ids, sampling,   # ValueError: nothing queued
-                                block_hashes=split_hashes(block_hashes))
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = queue
-        self._ensure_loop()
-        self._wake.set()
+        request_id = await self._add(label, prompt_token_ids, params, block_hashes,
+                                     lambda u: queue.put_nowait(stream_item(u)))
         finished = False
         try:
             while not finished:
@@ -131,23 +287,26 @@ class EngineService:
                 finished = item["finished"]
                 yield item
         finally:
-            del self._streams[request_id]
-            if not finished:
-                self.engine.abort(request_id)  # the consumer went away
+            if not finished:                                    # the consumer went away
+                self._sinks.pop(request_id, None)
+                self._post(self.core.abort, request_id)
 
     async def abort(self, request_id: str) -> bool:
         """Finish a request now; its stream ends with finish_reason "abort". False if it is not running."""
-        await self._started()
-        aborted = self.engine.abort(request_id)
-        if aborted:
-            self._publish([SequenceUpdate(request_id, [], True, "abort")])
-        return aborted
+        core = await self._started()
+
+        def abort():
+            aborted = core.abort(request_id)
+            if aborted:
+                self._emit([SequenceUpdate(request_id, [], True, "abort")])
+            return aborted
+        return await self._on_core(abort)
 
     async def stats(self) -> dict:
         await self._started()
         return {**self.engine.stats(), "model": self.info.get("model"), "status": self.status,
                 "replica": self.rank, "kv_events_epoch": self.events.epoch, "kv_events_seq": self.events.seq,
-                "prefix_cached_blocks": self.events.num_cached()}
+                "prefix_cached_blocks": self.events.num_cached(), "stream_records": self.records}
 
     def _load(self) -> Load:
         return Load(status=self.status, **self.engine.load())
@@ -159,7 +318,6 @@ class EngineService:
         number is no longer kept, or it knew another epoch: this engine restarted). ``load``: a
         ``types.Load`` (``cluster.engine.kv_events`` has the batches' schema)."""
         await self._started()
-        self._flush()
         batches = self.events.since(after) if epoch == self.events.epoch else None
         if batches == [] and wait_s > 0:
             try:
@@ -169,112 +327,27 @@ class EngineService:
             batches = self.events.since(after)
         reply = KVEventsReply(epoch=self.events.epoch, load=self._load())
         if batches is None:
-            reply["snapshot"] = self.events.snapshot()
+            def snapshot():   # the manager's cache, read between steps
+                self.events.flush()
+                return self.events.snapshot()
+            reply["snapshot"] = await self._on_core(snapshot)
         else:
             reply["batches"] = batches
         return reply
-
-    def _flush(self) -> None:
-        """Pending KV events become a batch; wake the consumers waiting for one."""
-        if self.events is not None and self.events.flush():
-            self._published.set()
-            self._published = asyncio.Event()
 
     async def shutdown(self) -> int:
         """Refuse new requests, end every stream with a "server is shutting down" error and stop the
         workers; returns how many requests were in flight. Called before the cluster is torn down (Ctrl-C,
         SIGTERM)."""
-        if self.engine is None:
-            self.status = "stopping"
+        if self.core is None:
+            self._status = "stopping"
             return 0
-        self.status, self.detail = "stopping", "shutdown requested"
-        updates = self.engine.fail_all(SHUTTING_DOWN)
-        self._publish(updates, "server_shutting_down")
-        await asyncio.to_thread(self.engine.executor.shutdown)   # the workers and their devices go back now
-        return len(updates)
+        self._status, self._detail = "stopping", "shutdown requested"
+        core = self.core
 
-    # -- the step loop ----------------------------------------------------------------------------
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
-
-    def _publish(self, updates: list[SequenceUpdate], error_type: str = "request_failed") -> None:
-        for u in updates:
-            queue = self._streams.get(u.request_id)
-            if queue is not None:
-                queue.put_nowait(StreamItem(request_id=u.request_id, token_ids=u.new_token_ids, finished=u.finished,
-                                            finish_reason=u.finish_reason, logprobs=u.logprobs,
-                                            num_cached_tokens=u.num_cached_tokens, error=u.error,
-                                            error_type=error_type if u.error else None,
-                                            prompt_logprobs=u.prompt_logprobs))
-
-    async def _run(self) -> None:
-        while True:
-            engine = self.engine
-            try:
-                if not engine.has_work() or self.status == "stopping":
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                plan = engine.schedule()
-                if plan is None:
-                    await asyncio.sleep(0.001)
-                    continue
-                await self._execute(engine, plan)
-                self._flush()
-            except Exception as exc:  # noqa: BLE001 - a bug in the engine's bookkeeping: start afresh
-                log.exception("engine step failed outside the workers; failing every request and resetting")
-                await self._reset(exc)
-                self._flush()
-
-    async def _execute(self, engine: Engine, plan) -> None:
-        while True:
-            try:
-                output = await asyncio.to_thread(engine.executor.execute, plan.step)
-            except Exception as exc:  # noqa: BLE001 - a request's fault, or the workers'
-                if self.status == "stopping":
-                    return   # the workers were stopped under this step on purpose
-                failed = engine.isolate(plan, exc)
-                if failed is not None:
-                    log.warning("request %s failed a step; running the step without it: %s",
-                                failed.request_id, failed.error)
-                    self._publish([failed])
-                    continue
-                log.warning("step failed (%s: %s); restarting the workers", type(exc).__name__, exc)
-                self._publish(engine.blame(plan))
-                await self._restart_workers(engine)
-                return
-            self._publish(engine.apply(plan, output))
-            return
-
-    async def _restart_workers(self, engine: Engine) -> None:
-        """Replace the workers (in a thread: it waits on Ray); if they cannot start, fail every request
-        and try again with back-off while the status says so."""
-        self.status, self.detail = "restarting", "replacing the workers after a failed step"
-        delay = 1.0
-        while True:
-            try:
-                await asyncio.to_thread(engine.executor.restart)
-                break
-            except Exception as exc:  # noqa: BLE001
-                log.error("workers failed to start: %s; retrying in %.0f s", exc, delay)
-                self.status, self.detail = "no_workers", f"workers failed to start: {exc}"
-                self._publish(engine.fail_all(f"the engine lost its workers and cannot start new ones: {exc}"),
-                              "engine_unavailable")
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 30.0)
-        engine.after_restart()
-        if self.status != "stopping":
-            self.status, self.detail = "ready", ""
-
-    async def _reset(self, exc: BaseException) -> None:
-        """Fail every request, then a fresh scheduler and manager over restarted workers."""
-        engine = self.engine
-        message = f"the engine reset after an internal error: {exc!r}"
-        self._publish([SequenceUpdate(rid, [], True, "error", error=message) for rid in self._streams],
-                      "engine_unavailable")
-        self.engine = Engine(engine.executor, engine.manager.specs, engine.manager.num_blocks, engine.config,
-                             group_widths=engine.manager.widths)
-        self.engine.metrics = engine.metrics
-        self.events.attach(self.engine.manager)   # the new manager's cache is empty: AllBlocksCleared
-        await self._restart_workers(self.engine)
+        def stop():
+            updates = core.fail_all(SHUTTING_DOWN, "server_shutting_down")
+            self._emit(updates)
+            core.engine.executor.shutdown()   # the workers and their devices go back now
+            return len(updates)
+        return await self._on_core(stop)
