@@ -1,14 +1,16 @@
 """The OpenAI-compatible Ray Serve application in front of the named engine actors: its routes.
 
-Replicas hold no model: they tokenise, validate, and relay the engine's per-request token streams, so
-several replicas can share one engine. Everything a client can get wrong is answered with a 4xx and an
+Replicas hold no model: they tokenise, validate, and relay the engines' updates, so several replicas can
+share one engine. Each replica holds one subscription per engine (``feed.py``): one Ray message per
+engine step carries every one of its requests' new tokens; they are detokenised here, per request, and a
+stream that falls behind gets every token queued for it in one event. Everything a client can get wrong is answered with a 4xx and an
 OpenAI-shaped error body (``{"error": {"message", "type", "param", "code"}}``) before the engine sees
 the request; so is every option this server does not implement and that would change the output: a
 client never gets a silent 200 for an option it asked for and did not get (README lists them). An engine
 that dies mid-request turns into a 503 (an SSE error event once a stream has started) that says the
 request can be retried, and the next request looks the engine up again; a request the engine fails on
-its own (the model's logits for it were NaN) gets a 500. A client that goes away cancels its engine
-streams, which aborts the requests there.
+its own (the model's logits for it were NaN) gets a 500. A client that goes away aborts its engine
+requests.
 
 One request cannot stall the others: bodies over ``max_body_bytes`` get a 413 before they are read
 whole; large bodies are parsed and their prompts tokenised in a thread, off the event loop; a text
@@ -24,7 +26,10 @@ KV blocks through the prefix cache instead of computing the prompt ``n`` times.
 
 import asyncio
 import dataclasses
+import os
+import socket
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -40,14 +45,21 @@ from cluster.routing.policies import make_router
 from cluster.routing.prompt import PromptHashes
 from cluster.routing.replicas import ReplicaSet
 
+from .feed import EngineFeed, SubscriptionLost, next_item
 from .metrics import prometheus_text
 from .openai import (DEFAULT_MAX_BODY_BYTES, LOGPROB_FLOOR, MAX_CHOICES, MAX_PROMPTS, PARSE_IN_THREAD_BYTES,
                      RETRY_ELSEWHERE, APIError, Body, ChatBody, CompletionBody, engine_restarted, error_from_engine,
                      error_from_item, parse_body, refuse_unsupported, response_id, stop_strings)
-from .streaming import EventStream, ResponseChoice, cancel, sse, usage
+from .streaming import EventStream, ResponseChoice, sse, usage
 
 ENGINE_CALL_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
+
+
+def _merged(a: tuple, b: tuple) -> tuple:
+    """Two consecutive events of one choice as one: (choice, text delta, item, finish reason, logprobs)."""
+    item = {**b[2], "token_ids": a[2]["token_ids"] + b[2]["token_ids"]}
+    return a[0], a[1] + b[1], item, b[3], a[4] + b[4]
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -86,6 +98,8 @@ class OpenAIServer:
         self.replicas = ReplicaSet(self.engine_names, namespace, make_router(router, router_seed))
         self._info: ModelInfo | None = None
         self._vocab_size = self.tokenizer.vocab_size
+        self._feeds: dict[str, EngineFeed] = {}            # engine replica name -> this frontend's subscription
+        self._subscriber = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
     # -- engine replicas --------------------------------------------------------------------------
     async def _connect(self) -> None:
@@ -109,6 +123,21 @@ class OpenAIServer:
         self._eos_token_ids = tuple((info or {}).get("eos_token_ids", ()))
         self._info = info
 
+    def _feed(self, replica) -> EngineFeed:
+        """This frontend's subscription to ``replica``'s engine, opened at the first request after none was
+        or the last one ended (raises ValueError when no actor has its name)."""
+        feed = self._feeds.get(replica.name)
+        if feed is None or not feed.alive:
+            feed = self._feeds[replica.name] = EngineFeed(self.replicas.handle(replica), self._subscriber)
+        return feed
+
+    def _lost(self, replica, feed: EngineFeed) -> None:
+        """The replica's engine is gone: route elsewhere, and subscribe afresh next time."""
+        self.replicas.down(replica)
+        if self._feeds.get(replica.name) is feed:
+            del self._feeds[replica.name]
+            feed.close()
+
     async def _start(self, label: str, prompt: PromptHashes, params: SamplingParams, affinity=None):
         """Route, submit, and await the first item, so a refused request is an HTTP error, not a broken
         stream. A replica that is gone, or refuses (no workers, shutting down), or fails the request for
@@ -125,25 +154,28 @@ class OpenAIServer:
                 self.replicas.retries += 1
             tried.add(replica.name)
             try:
-                engine = self.replicas.handle(replica)
+                feed = self._feed(replica)
             except ValueError:   # no actor of that name (yet)
                 self.replicas.down(replica)
                 continue
-            stream = engine.generate.options(num_returns="streaming").remote(
-                label, prompt.token_ids, params, prompt.for_engine())
             self.replicas.acquire(replica, prompt)
+            request_id = key = None
             try:
-                item = await (await stream.__anext__())
-            except RayActorError:
+                request_id, key, queue = await feed.add(label, prompt.token_ids, params, prompt.for_engine())
+                item = await next_item(queue)
+            except (RayActorError, SubscriptionLost):
                 self.replicas.release(replica, prompt)
-                self.replicas.down(replica)
+                self._lost(replica, feed)
                 continue
             except asyncio.CancelledError:  # the client left before the first token
                 self.replicas.release(replica, prompt)
-                cancel(engine, stream, None)
+                if key is not None:
+                    feed.release(key, request_id)
                 raise
             except Exception as exc:  # noqa: BLE001 - the engine's own refusal
                 self.replicas.release(replica, prompt)
+                if key is not None:
+                    feed.release(key)
                 error = error_from_engine(exc)
                 if error.type in RETRY_ELSEWHERE:
                     last = error
@@ -153,17 +185,19 @@ class OpenAIServer:
             if item["finish_reason"] == "error" and item.get("error_type") in RETRY_ELSEWHERE \
                     and not item["token_ids"]:
                 self.replicas.release(replica)
+                feed.release(key)
                 last = error_from_item(item)
                 continue
             self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
-            return replica, engine, stream, item
+            return replica, feed, key, queue, item
 
     async def _items(self, label: str, prompt: PromptHashes, params: SamplingParams,
                      choice: ResponseChoice | None = None):
-        """The engine's items for one request; if the consumer stops early, the engine stops too. An item
-        that ends the request with an error is raised as the ``APIError`` it maps to."""
+        """The engine's items for one request (all its queued tokens in one, when the consumer lags); if
+        the consumer stops early, the engine stops too. An item that ends the request with an error is
+        raised as the ``APIError`` it maps to."""
         affinity = choice.first.replica if choice is not None and choice.first is not None else None
-        replica, engine, stream, item = await self._start(label, prompt, params, affinity)
+        replica, feed, key, queue, item = await self._start(label, prompt, params, affinity)
         if choice is not None:
             choice.replica = replica
         request_id = item["request_id"]   # the engine's own, unique id
@@ -174,16 +208,15 @@ class OpenAIServer:
                 yield item
                 if item["finished"]:
                     break
-                item = await (await stream.__anext__())
-        except RayActorError:
-            self.replicas.down(replica)
+                item = await next_item(queue)
+        except (RayActorError, SubscriptionLost):
+            self._lost(replica, feed)
             raise engine_restarted() from None
         except Exception as exc:  # noqa: BLE001
             raise error_from_engine(exc) from None
         finally:
             self.replicas.release(replica)
-            if not item["finished"]:
-                cancel(engine, stream, request_id)
+            feed.release(key, None if item["finished"] else request_id)
 
     # -- shared request handling -----------------------------------------------------------------
     def _params(self, body: Body, max_tokens: int | None) -> SamplingParams:
@@ -285,8 +318,16 @@ class OpenAIServer:
         tasks = [asyncio.create_task(self._pump(c, opened.get(c.index), prompts[c.prompt], queue)) for c in choices]
         try:
             remaining = len(choices)
+            held = None
             while remaining:
-                event = await queue.get()
+                event, held = held or await queue.get(), None
+                while not queue.empty():          # the writer lags: one event for all a choice's queued tokens
+                    following = queue.get_nowait()
+                    if following[0] is not event[0] or isinstance(following[1], BaseException) \
+                            or isinstance(event[1], BaseException):
+                        held = following
+                        break
+                    event = _merged(event, following)
                 if isinstance(event[1], BaseException):
                     raise error_from_engine(event[1])
                 remaining -= event[3] is not None

@@ -1,12 +1,10 @@
-"""A response's streaming side: server-sent events, one OpenAI choice fed from its engine stream (text
-deltas with stop strings cut, logprob entries), usage, and how an engine request is cancelled."""
+"""A response's streaming side: server-sent events, one OpenAI choice fed from its engine items (text
+deltas with stop strings cut, logprob entries), and usage."""
 from __future__ import annotations
 
 import json
 
-import ray
 from fastapi.responses import StreamingResponse
-from ray.exceptions import RayActorError
 
 from cluster.engine.tokenizer import StreamDecoder
 from cluster.engine.types import SamplingParams, StreamItem
@@ -30,17 +28,6 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         await self.stream_response(send)
-
-
-def cancel(engine, stream, request_id: str | None) -> None:
-    """Cancel the engine's stream (its generator aborts the request) and, once the engine's id for it is
-    known, abort it outright as well: that id is unique, so this can never reach another request."""
-    try:
-        ray.cancel(stream)
-        if request_id is not None:
-            engine.abort.remote(request_id)
-    except RayActorError:
-        pass  # the engine is gone, and the request with it
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

@@ -1,0 +1,127 @@
+"""One HTTP frontend's subscription to one engine: every request's updates arrive in one Ray message
+per engine step and are sorted here into per-request queues (``EngineService.subscribe``).
+
+A request is added by a plain call (``add_request``: the engine's id back, or its refusal raised before
+anything is queued) under a key this frontend picks, whose queue exists before the call goes out, so an
+update can never arrive for a request nobody waits on. A request whose add call was cancelled (its
+client left) is aborted as soon as its first update names it. When the subscription ends (the engine
+process died, or Ray restarted it), every request waiting on it gets ``SubscriptionLost`` and the
+frontend opens a new subscription at its next request.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from ray.exceptions import RayActorError
+
+from cluster.engine.types import StreamItem
+
+
+class SubscriptionLost(RuntimeError):
+    """The engine's stream of updates ended: the engine is gone or restarted."""
+
+
+class EngineFeed:
+    def __init__(self, handle, subscriber: str):
+        self.handle, self.subscriber = handle, subscriber
+        self.queues: dict[int, asyncio.Queue | None] = {}    # key -> its request's queue; None: abort on sight
+        self.error: BaseException | None = None
+        self._keys = itertools.count()
+        loop = asyncio.get_running_loop()
+        self._opened = loop.create_future()
+        self._task = loop.create_task(self._follow())
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    async def _follow(self) -> None:
+        stream = self.handle.subscribe.options(num_returns="streaming").remote(self.subscriber)
+        try:
+            while True:
+                record = await (await stream.__anext__())
+                if not self._opened.done():
+                    self._opened.set_result(None)
+                for key, item in record:
+                    queue = self.queues.get(key, False)
+                    if queue is None:                         # its add call was cancelled: nobody waits
+                        del self.queues[key]
+                        if not item["finished"]:
+                            self.handle.abort.remote(item["request_id"])
+                    elif queue is not False:
+                        queue.put_nowait(item)
+        except asyncio.CancelledError:
+            error = SubscriptionLost("the subscription was closed")
+        except StopAsyncIteration:
+            error = SubscriptionLost("the engine ended its stream")
+        except RayActorError as exc:
+            error = SubscriptionLost(f"the engine is gone ({type(exc).__name__})")
+        except Exception as exc:  # noqa: BLE001 - whatever ends the stream ends every request on it
+            error = SubscriptionLost(f"the engine's stream failed: {exc!r}")
+        self.error = error
+        if not self._opened.done():
+            self._opened.set_exception(error)
+            self._opened.exception()                         # retrieved: callers see it through ``add``
+        for queue in self.queues.values():
+            if queue is not None:
+                queue.put_nowait(error)
+        self.queues.clear()
+
+    def close(self) -> None:
+        """Stop following (the engine sees its stream end and aborts what is left)."""
+        self._task.cancel()
+
+    async def add(self, label: str, token_ids: list[int], params, block_hashes) -> tuple[str, int, asyncio.Queue]:
+        """Queue a request on the engine; (its engine id, its key, the queue its items arrive on). Raises
+        ``SubscriptionLost`` or the engine's refusal."""
+        await asyncio.shield(self._opened)
+        if self.error is not None:
+            raise self.error
+        key, queue = next(self._keys), asyncio.Queue()
+        self.queues[key] = queue
+        try:
+            request_id = await self.handle.add_request.remote(self.subscriber, key, label, token_ids, params,
+                                                              block_hashes)
+        except asyncio.CancelledError:
+            if key in self.queues:
+                self.queues[key] = None                      # queued or not: abort it when it shows up
+            raise
+        except BaseException:
+            self.queues.pop(key, None)
+            raise
+        return request_id, key, queue
+
+    def release(self, key: int, abort_id: str | None = None) -> None:
+        """The request's consumer is done; ``abort_id``: the engine request to abort (it had not finished)."""
+        self.queues.pop(key, None)
+        if abort_id is not None and self.error is None:
+            try:
+                self.handle.abort.remote(abort_id)
+            except RayActorError:
+                pass  # the engine is gone, and the request with it
+
+
+async def next_item(queue: asyncio.Queue) -> StreamItem:
+    """The request's next item, with every item queued behind it merged in (a consumer that lags takes
+    all its tokens at once); raises what the feed queued instead (``SubscriptionLost``)."""
+    item = await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    while not item["finished"] and not queue.empty():
+        following = queue.get_nowait()
+        if isinstance(following, BaseException):
+            queue.put_nowait(following)   # the feed's end is always last: the next call raises it
+            break
+        item = merge(item, following)
+    return item
+
+
+def merge(a: StreamItem, b: StreamItem) -> StreamItem:
+    """Two consecutive items of one request as one."""
+    def cat(x, y):
+        return None if x is None and y is None else (x or []) + (y or [])
+    return StreamItem(request_id=b["request_id"], token_ids=a["token_ids"] + b["token_ids"], finished=b["finished"],
+                      finish_reason=b["finish_reason"], logprobs=cat(a["logprobs"], b["logprobs"]),
+                      num_cached_tokens=b["num_cached_tokens"], error=b["error"], error_type=b["error_type"],
+                      prompt_logprobs=cat(a["prompt_logprobs"], b["prompt_logprobs"]))
