@@ -9,7 +9,8 @@ prints per run: output tokens/s, TTFT p50/p99, ITL p50/p99 (a stream's mean gap 
 its first to its last, as the issue's reproducer measures it) and the p50/p99 of every single gap
 between two token events of a stream (vLLM's ITL; near 0 when events arrive in bursts), the client's own CPU share (one asyncio thread: near 100% of a core it is the limit, and the
 row says so), the CPU share of each server process under load, engine steps and engine->replica stream
-items per step (each item is one Ray message; with today's code one per request per step). Beside each
+messages per step (``swakv_stream_records_total``: one per step per HTTP replica at most; a server that
+streams per token has no such counter and the bench counts token events instead). Beside each
 run, the in-process engine (the same simulated workers driven directly, as ``bench/step_overhead.py``
 does) on the same trace: its tokens/s, TTFT and ITL, and the served/in-process ratio.
 
@@ -176,16 +177,19 @@ class Server:
             self.known.update(process_tree(self.proc.pid))
             time.sleep(1)
 
-    def steps(self) -> float | None:
-        """The engine's step counter (``swakv_steps_total``)."""
+    def steps(self) -> tuple[float | None, float | None]:
+        """The engine's step counter (``swakv_steps_total``) and the Ray messages it sent the HTTP side
+        (``swakv_stream_records_total``; None from a server that streams one message per token)."""
         try:
             _, body = http_get(f"http://127.0.0.1:{self.port}/metrics", timeout=10)
         except OSError:
-            return None
+            return None, None
+        found = {}
         for line in body.decode().splitlines():
-            if line.startswith("swakv_steps_total"):
-                return float(line.split()[-1])
-        return None
+            for name in ("swakv_steps_total", "swakv_stream_records_total"):
+                if line.startswith(name):
+                    found[name] = float(line.split()[-1])
+        return found.get("swakv_steps_total"), found.get("swakv_stream_records_total")
 
     def stop(self, grace_s: float = 60.0) -> None:
         """Ctrl-C to the whole group (as a terminal sends it), then SIGKILL to whatever is left of it."""
@@ -444,8 +448,10 @@ def run_config(args, sleep_factor: float, rng: random.Random) -> dict:
             busy = cpu_shares(before, sample_tree(server.proc.pid), time.perf_counter() - t0)
             steps1 = server.steps()
             res["streams"] = n
+            (steps0, records0), (steps1, records1) = steps0, steps1
             res["steps"] = steps1 - steps0 if steps0 is not None and steps1 is not None else None
-            res["items_per_step"] = res["token_events"] / res["steps"] if res["steps"] else None
+            messages = records1 - records0 if records0 is not None and records1 is not None else res["token_events"]
+            res["items_per_step"] = messages / res["steps"] if res["steps"] else None
             res["server_cpu"] = [{"name": r["name"], "cpu": round(r["cpu"], 3)} for r in busy if r["cpu"] >= 0.02]
             res["client_bound"] = res["client_cpu"] >= 0.8
             res["modelled_step_s"] = modelled_decode_step_s(args.model, args.gpu, n, args.prompt_len + args.max_tokens // 2)
@@ -468,7 +474,7 @@ def render(cfg: dict) -> str:
     lines = [f"sleep x{cfg['sleep_factor']:g}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
-             f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'items/st':>8} "
+             f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'items/st':>8} {'tok/ev':>6} "
              f"{'client':>6} {'err':>4}  busiest server processes"]
     for r in cfg["runs"]:
         e = r.get("engine", {})
@@ -478,12 +484,12 @@ def render(cfg: dict) -> str:
                      f"{fmt_ms(r['itl_p50']):>7} {fmt_ms(r['itl_p99']):>7} {fmt_ms(r['gap_p50']):>6} {fmt_ms(r['gap_p99']):>6} "
                      f"{fmt_ms(e.get('ttft_p50')):>10} "
                      f"{fmt_ms(e.get('itl_p50')):>9} {fmt_ms(r['modelled_step_s']):>6} {r['steps'] or 0:>5.0f} "
-                     f"{(r['items_per_step'] or 0):>8.1f} {100 * r['client_cpu']:>5.0f}%"
+                     f"{(r['items_per_step'] or 0):>8.1f} {r['tokens'] / max(r['token_events'], 1):>6.2f} {100 * r['client_cpu']:>5.0f}%"
                      f"{'!' if r['client_bound'] else ' '}{r['errors'] + r['incomplete']:>4}  {busiest}")
     lines.append("  (ms; ITL = a stream's mean gap between tokens; gap = every gap between two token events; "
                  "engine = the in-process engine on the same trace; ratio = served / engine tok/s; step* = the "
-                 "modelled decode step at that batch; items/st = engine->replica stream items (Ray messages) per "
-                 "step; client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit)")
+                 "modelled decode step at that batch; items/st = engine->HTTP Ray messages per step (token events per "
+                 "step for a per-token server); tok/ev = tokens per SSE event (> 1: lagging streams got several at once); client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit)")
     idle = cfg.get("idle") or []
     lines.append("idle CPU per process (% of one core): " + ", ".join(
         f"{r['name'].replace('ray::', '')} {100 * r['cpu']:.1f}" for r in idle if r["cpu"] >= 0.001)

@@ -20,6 +20,8 @@ _METRICS = (
     ("swakv_delta_bytes_total", "delta_bytes", "counter", "Encoded block-table delta bytes sent to workers."),
     ("swakv_worker_restarts_total", "worker_restarts", "counter", "Worker-group restarts after a failure."),
     ("swakv_recomputed_requests_total", "recomputed_requests", "counter", "Requests recomputed after a restart."),
+    ("swakv_stream_records_total", "stream_records", "counter",
+     "Records sent to HTTP frontends' subscriptions (one Ray message each, one per step per frontend at most)."),
 )
 
 

@@ -1,0 +1,199 @@
+"""The served engine runs the offline engine's step loop (``EngineCore``) on one engine-core thread: with
+asynchronous scheduling too, its tokens are transformers' greedy ones; a frontend's subscription gets
+one record per step holding all its requests' updates; the actor answers while a step runs; a
+subscription that ends aborts its requests. No Ray here: ``EngineService`` is a plain class."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+
+import pytest
+import torch
+
+from cluster.engine.build import build_engine
+from cluster.engine.executor import LocalExecutor
+from cluster.engine.types import SamplingParams
+from cluster.ray.engine_actor import EngineService
+from cluster.serve.feed import merge, next_item
+from workers.models.tiny_models import build_tiny_model
+
+MODEL = "tiny-llama"
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 101, 102, 103], [42] * 5]
+
+
+@functools.cache
+def reference(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    m = build_tiny_model(MODEL, seed=0)
+    out = m.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+class Counting(LocalExecutor):
+    """Real workers; counts steps launched while another was still in flight (the overlapped path)."""
+
+    def __init__(self, stage_kwargs):
+        super().__init__(stage_kwargs)
+        self.in_flight = self.overlapped = 0
+
+    def submit(self, step):
+        self.in_flight += 1
+        self.overlapped += self.in_flight > 1
+        return super().submit(step)
+
+    def collect(self, handle):
+        self.in_flight -= 1
+        return super().collect(handle)
+
+
+async def read_subscription(svc: EngineService, name: str, keys: set[int]) -> list[list]:
+    """Records of ``name``'s subscription until every key's request finished."""
+    records, open_ = [], set(keys)
+    sub = svc.subscribe(name)
+    assert await anext(sub) == []
+    async for record in sub:
+        records.append(record)
+        open_ -= {key for key, item in record if item["finished"]}
+        if not open_:
+            break
+    await sub.aclose()
+    return records
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_subscription_gets_one_record_per_step_with_every_request_and_greedy_tokens(async_scheduling):
+    def build():
+        engine, info = build_engine(MODEL, block_size=4, num_blocks=256, async_scheduling=async_scheduling)
+        engine.executor = Counting(engine.executor.stage_kwargs)
+        return engine, info
+
+    async def main():
+        svc = EngineService(build)
+        sub = svc.subscribe("frontend-a")
+        assert await anext(sub) == []                     # registered: requests may be added now
+        ids = [await svc.add_request("frontend-a", key, f"r{key}", p, {"max_tokens": 6})
+               for key, p in enumerate(PROMPTS)]
+        records, finished = [], set()
+        async for record in sub:
+            records.append(record)
+            finished |= {key for key, item in record if item["finished"]}
+            if len(finished) == 3:
+                break
+        await sub.aclose()
+        return svc, ids, records
+
+    svc, ids, records = asyncio.run(main())
+    tokens = {key: [] for key in range(3)}
+    for record in records:
+        for key, item in record:
+            assert item["request_id"] == ids[key]
+            tokens[key] += item["token_ids"]
+    assert [tokens[k] for k in range(3)] == [reference(tuple(p), 6) for p in PROMPTS]
+    assert svc.records == len(records) <= svc.engine.metrics.steps    # at most one Ray message per step
+    assert any(len(record) == 3 for record in records)                # one record carried all three
+    assert (svc.engine.executor.overlapped > 0) == async_scheduling        # the overlapped path ran when asked
+
+
+def test_add_request_refuses_bad_input_before_queueing_and_an_unknown_subscription():
+    async def main():
+        svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=64))
+        sub = svc.subscribe("f")
+        await anext(sub)
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            await svc.add_request("f", 0, "bad", [1, 2, 10**6], {"max_tokens": 2})
+        with pytest.raises(ValueError, match="max_tokens"):
+            await svc.add_request("f", 1, "bad", [1, 2], {"max_tokens": -1})
+        with pytest.raises(RuntimeError, match="no subscription 'g'"):
+            await svc.add_request("g", 0, "x", [1, 2], {"max_tokens": 2})
+        stats = await svc.stats()
+        await sub.aclose()
+        return stats
+
+    stats = asyncio.run(main())
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+
+
+def test_a_subscription_that_ends_aborts_its_requests_and_not_another_frontends():
+    async def main():
+        svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
+        gone, stays = svc.subscribe("gone"), svc.subscribe("stays")
+        await anext(gone)
+        await anext(stays)
+        await svc.add_request("gone", 0, "a", PROMPTS[0], {"max_tokens": 400})
+        await svc.add_request("stays", 0, "b", PROMPTS[1], {"max_tokens": 12})
+        await anext(gone)
+        await gone.aclose()                               # the frontend died
+        tokens = []
+        async for record in stays:
+            tokens += [t for _, item in record for t in item["token_ids"]]
+            if any(item["finished"] for _, item in record):
+                break
+        await stays.aclose()
+        for _ in range(100):
+            stats = await svc.stats()
+            if stats["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return tokens, stats
+
+    tokens, stats = asyncio.run(main())
+    assert tokens == reference(tuple(PROMPTS[1]), 12)
+    assert (stats["running"], stats["finished"]) == (0, {"abort": 1, "length": 1})
+
+
+class Blocking(LocalExecutor):
+    """Real workers; a step waits until the test lets it go."""
+
+    def __init__(self, stage_kwargs):
+        super().__init__(stage_kwargs)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def execute(self, step):
+        self.entered.set()
+        self.go.wait()
+        return super().execute(step)
+
+
+def test_health_stats_and_kv_events_answer_while_a_step_runs():
+    def build():
+        engine, info = build_engine(MODEL, block_size=4, num_blocks=64)
+        engine.executor = Blocking(engine.executor.stage_kwargs)
+        return engine, info
+
+    async def main():
+        svc = EngineService(build)
+        gen = svc.generate("a", PROMPTS[0], {"max_tokens": 3})
+        first = asyncio.create_task(anext(gen))
+        await svc.ready()
+        executor = svc.engine.executor
+        await asyncio.to_thread(executor.entered.wait, 30)   # the core thread is inside a step
+        health = await asyncio.wait_for(svc.health(), 10)
+        stats = await asyncio.wait_for(svc.stats(), 10)
+        events = await asyncio.wait_for(svc.kv_events(svc.events.epoch, 0, 0.0), 10)
+        executor.go.set()
+        items = [await first] + [item async for item in gen]
+        return health, stats, items, events
+
+    health, stats, items, events = asyncio.run(main())
+    assert events["batches"] == [] and events["load"]["running"] == 1
+    assert health["status"] == "ready" and (stats["running"], stats["steps"]) == (1, 0)
+    assert [t for i in items for t in i["token_ids"]] == reference(tuple(PROMPTS[0]), 3)
+
+
+def test_a_lagging_consumer_gets_its_queued_items_as_one():
+    def item(tokens, finished=False, reason=None, logprobs=None):
+        return {"request_id": "r#1", "token_ids": tokens, "finished": finished, "finish_reason": reason,
+                "logprobs": logprobs, "num_cached_tokens": 4, "error": None, "error_type": None,
+                "prompt_logprobs": None}
+
+    async def main():
+        queue = asyncio.Queue()
+        for i in (item([1], logprobs=[(-0.1, [1], [-0.1])]), item([2], logprobs=[(-0.2, [2], [-0.2])]),
+                  item([3], True, "length", logprobs=[(-0.3, [3], [-0.3])]), item([9])):
+            queue.put_nowait(i)
+        return await next_item(queue), await next_item(queue)
+
+    merged, after = asyncio.run(main())
+    assert merged == item([1, 2, 3], True, "length", [(-0.1, [1], [-0.1]), (-0.2, [2], [-0.2]), (-0.3, [3], [-0.3])])
+    assert after["token_ids"] == [9]                      # nothing merged across a finished item
+    assert merge(item([1]), item([2]))["logprobs"] is None
