@@ -67,7 +67,8 @@ class ModelInfo(_BuiltModelInfo, total=False):
 
 
 class StreamItem(TypedDict):
-    """One update of one request, as ``EngineService.generate`` yields it (one per sampled token today)."""
+    """One update of one request (one step's): ``EngineService.subscribe`` sends a list of them per step,
+    ``EngineService.generate`` yields them one by one."""
 
     request_id: str                 # the engine's own id for the request (``label#n``), what ``abort`` takes
     token_ids: list[int]            # new tokens
