@@ -197,3 +197,27 @@ def test_a_lagging_consumer_gets_its_queued_items_as_one():
     assert merged == item([1, 2, 3], True, "length", [(-0.1, [1], [-0.1]), (-0.2, [2], [-0.2]), (-0.3, [3], [-0.3])])
     assert after["token_ids"] == [9]                      # nothing merged across a finished item
     assert merge(item([1]), item([2]))["logprobs"] is None
+
+
+def test_a_second_subscription_under_one_name_ends_the_first_and_aborts_its_requests():
+    async def main():
+        svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
+        first = svc.subscribe("f")
+        await anext(first)
+        await svc.add_request("f", 0, "a", PROMPTS[0], {"max_tokens": 400})
+        second = svc.subscribe("f")
+        assert await anext(second) == []
+        async def records():
+            return [record async for record in first]
+        rest = await asyncio.wait_for(records(), 30)        # ends instead of waiting forever
+        await second.aclose()
+        for _ in range(100):
+            stats = await svc.stats()
+            if stats["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return rest, stats
+
+    rest, stats = asyncio.run(main())
+    assert all(key == 0 for record in rest for key, _ in record)
+    assert (stats["running"], stats["finished"]) == (0, {"abort": 1})

@@ -78,6 +78,7 @@ class _Subscriber:
         self.pending: list[tuple[int, StreamItem]] = []
         self.wake = asyncio.Event()
         self.requests: set[str] = set()          # engine ids of its unfinished requests
+        self.replaced = False                    # a newer subscription took its name: its stream ends
 
 
 class EngineService:
@@ -230,12 +231,16 @@ class EngineService:
         old = self._subscribers.get(subscriber)
         if old is not None:
             self._abort_all(old)
+            old.replaced = True
+            old.wake.set()
         sub = self._subscribers[subscriber] = _Subscriber()
         try:
             yield []
             while True:
                 await sub.wake.wait()
                 sub.wake.clear()
+                if sub.replaced:
+                    return
                 record, sub.pending = sub.pending, []
                 self.records += 1
                 yield record
