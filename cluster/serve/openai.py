@@ -5,6 +5,7 @@ refusal or failure becomes one. ``server.py`` answers the routes; README lists w
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from typing import Any, Literal
@@ -113,6 +114,28 @@ class ChatBody(Body):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # vLLM's extension
     modalities: list[Literal["text"]] | None = None
+
+
+class TokenizeBody(Strict):
+    """vLLM's ``/tokenize`` for a prompt (TokenizeCompletionRequest)."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatBody(Strict):
+    """vLLM's ``/tokenize`` for chat messages (TokenizeChatRequest): the prompt the chat route would run."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(Strict):
+    """vLLM's ``/detokenize``."""
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -228,6 +251,20 @@ async def parse_body(request: Request, body_type: type[Body], limit: int) -> Bod
         if len(raw) > PARSE_IN_THREAD_BYTES:
             return await asyncio.to_thread(body_type.model_validate_json, raw)
         return body_type.model_validate_json(raw)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
+
+async def parse_tokenize_body(request: Request, limit: int) -> TokenizeBody | TokenizeChatBody:
+    """A ``/tokenize`` body is a chat one when it has ``messages`` (vLLM tells its two shapes apart so too)."""
+    raw = await read_body(request, limit)
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    try:
+        shape = TokenizeChatBody if isinstance(data, dict) and "messages" in data else TokenizeBody
+        return shape.model_validate_json(raw)
     except ValidationError as err:
         raise validation_error(err) from None
 

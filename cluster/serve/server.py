@@ -40,10 +40,12 @@ from cluster.routing.policies import make_router
 from cluster.routing.prompt import PromptHashes
 from cluster.routing.replicas import ReplicaSet
 
+from .logprobs import LogprobFormatter
 from .metrics import prometheus_text
-from .openai import (DEFAULT_MAX_BODY_BYTES, LOGPROB_FLOOR, MAX_CHOICES, MAX_PROMPTS, PARSE_IN_THREAD_BYTES,
-                     RETRY_ELSEWHERE, APIError, Body, ChatBody, CompletionBody, engine_restarted, error_from_engine,
-                     error_from_item, parse_body, refuse_unsupported, response_id, stop_strings)
+from .openai import (DEFAULT_MAX_BODY_BYTES, MAX_CHOICES, MAX_PROMPTS, PARSE_IN_THREAD_BYTES, RETRY_ELSEWHERE,
+                     APIError, Body, ChatBody, CompletionBody, DetokenizeBody, TokenizeChatBody, engine_restarted,
+                     error_from_engine, error_from_item, parse_body, parse_tokenize_body, refuse_unsupported,
+                     response_id, stop_strings)
 from .streaming import EventStream, ResponseChoice, cancel, sse, usage
 
 ENGINE_CALL_TIMEOUT_S = 30.0
@@ -81,6 +83,7 @@ class OpenAIServer:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.max_body_bytes = max_body_bytes
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.router_name = router
         self.replicas = ReplicaSet(self.engine_names, namespace, make_router(router, router_seed))
@@ -186,11 +189,14 @@ class OpenAIServer:
                 cancel(engine, stream, request_id)
 
     # -- shared request handling -----------------------------------------------------------------
-    def _params(self, body: Body, max_tokens: int | None) -> SamplingParams:
-        """The engine's sampling parameters (stop strings and ``n`` stay here), checked here, at the edge."""
+    def _check_model(self, body) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "invalid_request_error", param="model", code="model_not_found")
+
+    def _params(self, body: Body, max_tokens: int | None) -> SamplingParams:
+        """The engine's sampling parameters (stop strings and ``n`` stay here), checked here, at the edge."""
+        self._check_model(body)
         stop = list(body.stop_token_ids)
         if not body.ignore_eos:   # the tokenizer's EOS and the model's (generation_config), as transformers
             stop += [t for t in (self.tokenizer.eos_token_id, *self._eos_token_ids) if t is not None]
@@ -200,6 +206,8 @@ class OpenAIServer:
                      logit_bias={int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
                      logprobs=((body.top_logprobs or 0) if body.logprobs else None) if isinstance(body, ChatBody)
                      else body.logprobs)
+        if getattr(body, "echo", False) and body.logprobs is not None:   # the echoed prompt's logprobs too
+            knobs["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
         try:
             return SamplingParams(**knobs, max_tokens=max_tokens, stop_token_ids=tuple(dict.fromkeys(stop)))
         except ValueError as exc:
@@ -211,17 +219,29 @@ class OpenAIServer:
             raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}",
                            param=field.split("[")[0])
 
-    def _check_length(self, num_tokens: int, field: str = "prompt", at_least: bool = False) -> None:
-        if num_tokens >= self.max_model_len:
-            raise APIError(400, f"{field}: the prompt has {'at least ' if at_least else ''}{num_tokens} tokens, "
-                           f"which leaves no room to generate within max_model_len={self.max_model_len}",
-                           param=field.split("[")[0], code="context_length_exceeded")
+    def _check_length(self, num_tokens: int, field: str = "prompt", at_least: bool = False,
+                      max_tokens: int | None = None, max_field: str = "max_tokens") -> None:
+        """Nothing is cut silently: a prompt that leaves no room (none needed with max_tokens 0), or a prompt
+        and ``max_tokens`` beyond the context, is refused with the figures. ``at_least``: ``num_tokens``
+        is a lower bound (counted before encoding), which is as good for refusing."""
+        limit, some = self.max_model_len, "at least " if at_least else ""
+        if num_tokens > limit or (num_tokens == limit and max_tokens != 0):
+            raise APIError(400, f"{field}: the prompt has {some}{num_tokens} tokens, which leaves no room to "
+                           f"generate within max_model_len={limit}", param=field.split("[")[0],
+                           code="context_length_exceeded")
+        if max_tokens and num_tokens + max_tokens > limit:
+            raise APIError(400, f"{max_field}: this model's maximum context length is {limit} tokens "
+                           f"(max_model_len); you requested {some}{num_tokens + max_tokens} tokens ({some}{num_tokens} "
+                           f"in {field}, {max_tokens} in {max_field}). {max_field} can be at most "
+                           f"{limit - num_tokens} for this prompt, or omitted (the rest of the context)",
+                           param=max_field, code="context_length_exceeded")
 
-    def _check_text_length(self, num_chars: int, field: str = "prompt") -> None:
+    def _check_text_length(self, num_chars: int, field: str = "prompt", max_tokens: int | None = None,
+                           max_field: str = "max_tokens") -> None:
         """Refuse text that cannot fit before spending any time encoding it."""
         per_token = self.tokenizer.max_chars_per_token
         if per_token:
-            self._check_length(-(-num_chars // per_token), field, at_least=True)
+            self._check_length(-(-num_chars // per_token), field, True, max_tokens, max_field)
 
     async def _tokenize(self, fn, arg, size: int) -> list[int]:
         """Tokenise off the event loop when the input is large, so other requests and /health go on."""
@@ -229,13 +249,16 @@ class OpenAIServer:
 
     def _choices(self, request_id: str, body: Body, prompts: list[list[int]], params: SamplingParams,
                  echoes: list[str]) -> list[ResponseChoice]:
-        """``n`` choices per prompt, indexed prompt-major; sibling ``j`` of a seeded request uses seed + j."""
+        """``n`` choices per prompt, indexed prompt-major; sibling ``j`` of a seeded request uses seed + j.
+        Only a prompt's first choice scores the prompt (prompt logprobs): its siblings share its scores."""
         n, stops = body.n, stop_strings(body)
         choices = []
         for p in range(len(prompts)):
             for j in range(n):
                 index = p * n + j
                 own = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+                if j and own.prompt_logprobs is not None:
+                    own = dataclasses.replace(own, prompt_logprobs=None)
                 engine_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 choices.append(ResponseChoice(index, p, engine_id, own, StreamDecoder(self.tokenizer, stops), echoes[p]))
                 if j:
@@ -243,10 +266,15 @@ class OpenAIServer:
         return choices
 
     async def _open(self, choice: ResponseChoice, prompt: PromptHashes):
-        """The choice's engine stream and its first item (errors before it are plain HTTP errors)."""
+        """The choice's engine stream and its first item (errors before it are plain HTTP errors); a scored
+        prompt's items before it only bring scores, which the choice takes here."""
         items = self._items(choice.engine_id, prompt, choice.params, choice)
         try:
-            return items, await anext(items)
+            while True:   # a scored prompt's chunks come before its first token: its scores are all here then
+                item = await anext(items)
+                choice.prompt_logprobs += item.get("prompt_logprobs") or []
+                if item["token_ids"] or item["finished"]:
+                    return items, item
         except BaseException:
             await items.aclose()
             raise
@@ -296,64 +324,75 @@ class OpenAIServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _logprobs(self, kind: str, entries: list) -> dict | None:
-        """OpenAI's logprobs object for (token, text offset, engine entry) entries."""
-        def token(t):
-            raw = self.tokenizer.token_bytes(t)
-            return raw.decode("utf-8", errors="replace"), list(raw)
-
+    def _logprobs(self, kind: str, body: Body, c: ResponseChoice, entries: list, prompt: list[int] | None) -> dict:
+        """OpenAI's logprobs object for a choice's (token, text offset, engine entry) entries; after its
+        echoed prompt's when ``prompt`` is given."""
         if kind == "chat":
-            content = []
-            for t, _, (lp, top_ids, top_lps) in entries:
-                text, raw = token(t)
-                content.append({"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": raw, "top_logprobs": [
-                    {"token": token(i)[0], "logprob": max(v, LOGPROB_FLOOR), "bytes": token(i)[1]}
-                    for i, v in zip(top_ids, top_lps)]})
-            return {"content": content, "refusal": None}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, offset, (lp, top_ids, top_lps) in entries:
-            top = {}
-            for i, v in zip(top_ids, top_lps):   # most likely first; a text two tokens share keeps the likelier
-                top.setdefault(token(i)[0], max(v, LOGPROB_FLOOR))
-            top.setdefault(token(t)[0], max(lp, LOGPROB_FLOOR))   # the sampled token is always listed
-            out["tokens"].append(token(t)[0])
-            out["token_logprobs"].append(max(lp, LOGPROB_FLOOR))
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
-        return out
+            return self.formatter.chat(entries)
+        if prompt is not None:
+            entries = self.formatter.echoed_prompt(prompt, self._scores(c, prompt)) + entries
+        return self.formatter.completion(entries, body.logprobs)
+
+    @staticmethod
+    def _scores(c: ResponseChoice, prompt: list[int]) -> list:
+        """The prompt's scores (positions 1 on), from the choice that computed them: its prompt's first."""
+        scored = (c.first or c).prompt_logprobs
+        if len(scored) != len(prompt) - 1:   # never expected: the engine fails a request it left unscored
+            raise APIError(500, f"the engine scored {len(scored)} of the prompt's {len(prompt) - 1} positions",
+                           "server_error")
+        return scored
+
+    @staticmethod
+    def _stop_reason(c: ResponseChoice, body: Body) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string matched, or the ``stop_token_ids`` entry that ended the
+        choice; None when it ended otherwise (EOS, length)."""
+        if c.decoder.stopped:
+            return c.decoder.matched
+        if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in body.stop_token_ids:
+            return c.token_ids[-1]
+        return None
 
     async def _respond(self, kind: str, body: Body, prompts: list[list[int]], params: SamplingParams, request: Request,
-                       echoes: list[str] | None = None):
+                       echoes: list[str] | None = None, max_field: str = "max_tokens"):
         refuse_unsupported(body)
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices exceed {MAX_CHOICES}", param="n")
         request_id = response_id(request, kind)
         await self._connect()  # learn the model's vocabulary before checking ids against it
         for p, ids in enumerate(prompts):
-            field = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-            self._check_length(len(ids), field)
+            field = "messages" if kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+            if not ids:
+                raise APIError(400, f"{field}: the prompt is empty", param="prompt")
+            self._check_length(len(ids), field, max_tokens=params.max_tokens, max_field=max_field)
             self._check_ids(ids, field)
         self._check_ids(list(params.stop_token_ids), "stop_token_ids")
         self._check_ids([t for t, _ in params.logit_bias], "logit_bias")
         choices = self._choices(request_id, body, prompts, params, echoes or [""] * len(prompts))
         events = await self._run(choices, [PromptHashes(ids) for ids in prompts])
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        wants_logprobs = params.logprobs is not None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self._sse_stream(kind, head, choices, prompts, events, wants_logprobs, include_usage))
+            return EventStream(self._sse_stream(kind, head, body, choices, prompts, events))
         async for _ in events:
             pass
-        out = []
+        echo = getattr(body, "echo", False) and params.logprobs is not None
+        out, scored = [], None
         for c in choices:
-            logprobs = self._logprobs(kind, c.logprobs) if wants_logprobs else None
+            logprobs = None if params.logprobs is None else \
+                self._logprobs(kind, body, c, c.logprobs, prompts[c.prompt] if echo else None)
             if kind == "chat":
                 choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
             else:
                 choice = {"index": c.index, "text": c.text, "logprobs": logprobs}
-            out.append({**choice, "token_ids": c.token_ids, "finish_reason": c.finish_reason})
+            if body.prompt_logprobs is not None:
+                scored = self.formatter.prompt_logprobs(prompts[c.prompt], self._scores(c, prompts[c.prompt]),
+                                                        body.prompt_logprobs)
+                if kind != "chat":
+                    choice["prompt_logprobs"] = scored
+            out.append({**choice, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                        "stop_reason": self._stop_reason(c, body)})
         head["object"] = "chat.completion" if kind == "chat" else "text_completion"
-        return {**head, "choices": out, "usage": self._total_usage(choices, prompts)}
+        extra = {"prompt_logprobs": scored} if kind == "chat" and scored is not None else {}
+        return {**head, "choices": out, "usage": self._total_usage(choices, prompts), **extra}
 
     @staticmethod
     def _total_usage(choices: list[ResponseChoice], prompts: list[list[int]]) -> dict:
@@ -362,26 +401,38 @@ class OpenAIServer:
         return usage(sum(map(len, prompts)), sum(len(c.token_ids) for c in choices),
                       sum(c.num_cached_tokens for c in choices if c.index % n == 0))
 
-    async def _sse_stream(self, kind: str, head: dict, choices: list[ResponseChoice], prompts, events,
-                          wants_logprobs: bool, include_usage: bool):
+    async def _sse_stream(self, kind: str, head: dict, body: Body, choices: list[ResponseChoice], prompts, events):
+        """The events as SSE chunks; ``stream_options``: ``include_usage`` adds a last chunk with the request's
+        usage, ``continuous_usage_stats`` (vLLM's) puts in every chunk its choice's usage so far."""
         head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+        options = body.stream_options
+        include_usage, continuous = bool(options and options.include_usage), bool(options and options.continuous_usage_stats)
+        echo, wants_logprobs = getattr(body, "echo", False), choices[0].params.logprobs is not None
+        produced = [0] * len(choices)   # tokens each choice has streamed
+
+        def so_far(c: ResponseChoice, cached: int = 0) -> dict:
+            return {"usage": usage(len(prompts[c.prompt]), produced[c.index], cached)} if continuous else {}
+
         if kind == "chat":
             for c in choices:
                 yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                                                 "logprobs": None, "finish_reason": None}], **so_far(c)})
         echoed = set()
         try:
             async for c, delta, item, finish_reason, added in events:
-                logprobs = self._logprobs(kind, added) if wants_logprobs else None
+                produced[c.index] += len(item["token_ids"])
+                prompt = None
+                if echo and c.index not in echoed:   # the prompt first (and its logprobs), once
+                    delta, prompt = c.echo + delta, prompts[c.prompt]
+                    echoed.add(c.index)
+                logprobs = self._logprobs(kind, body, c, added, prompt) if wants_logprobs else None
                 if kind == "chat":
                     choice = {"index": c.index, "delta": {"content": delta}, "logprobs": logprobs}
                 else:
-                    if c.echo and c.index not in echoed:
-                        delta = c.echo + delta
-                        echoed.add(c.index)
                     choice = {"index": c.index, "text": delta, "logprobs": logprobs}
-                choice.update(token_ids=item["token_ids"], finish_reason=finish_reason)
-                yield sse({**head, "choices": [choice]})
+                choice.update(token_ids=item["token_ids"], finish_reason=finish_reason,
+                              stop_reason=self._stop_reason(c, body) if finish_reason else None)
+                yield sse({**head, "choices": [choice], **so_far(c, item.get("num_cached_tokens", 0))})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": self._total_usage(choices, prompts)})
         except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel in the stream
@@ -402,7 +453,7 @@ class OpenAIServer:
             raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
         texts = [(i, p) for i, p in enumerate(batch) if isinstance(p, str)]
         for i, p in texts:
-            self._check_text_length(len(p), "prompt" if len(batch) == 1 else f"prompt[{i}]")
+            self._check_text_length(len(p), "prompt" if len(batch) == 1 else f"prompt[{i}]", params.max_tokens)
         size = sum(len(p) for _, p in texts)
         encoded = await self._tokenize(lambda ps: [self.tokenizer.encode(p) for _, p in ps], texts, size)
         prompts = [list(p) for p in batch]
@@ -417,12 +468,42 @@ class OpenAIServer:
         body = await parse_body(request, ChatBody, self.max_body_bytes)
         await self._connect()
         params = self._params(body, body.max_completion_tokens or body.max_tokens)
+        max_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
-        self._check_text_length(size)
+        self._check_text_length(size, "messages", params.max_tokens, max_field)
         prompt = await self._tokenize(self.tokenizer.chat_prompt, messages, size)
-        return await self._respond("chat", body, [prompt], params, request)
+        return await self._respond("chat", body, [prompt], params, request, max_field=max_field)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's: a prompt's token ids as the completions route encodes it, or chat messages' as the chat
+        route does (its template applied), with ``count`` and ``max_model_len`` to check a fit before sending."""
+        body = await parse_tokenize_body(request, self.max_body_bytes)
+        self._check_model(body)
+        if isinstance(body, TokenizeChatBody):
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in body.messages]
+            size = sum(len(m["content"]) for m in messages)
+            ids = await self._tokenize(lambda ms: self.tokenizer.chat_prompt(ms, body.add_generation_prompt),
+                                       messages, size)
+        else:
+            ids = await self._tokenize(lambda p: self.tokenizer.encode(p, body.add_special_tokens), body.prompt,
+                                       len(body.prompt))
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": self.tokenizer.pieces(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's: the text of token ids, as a completion's text decodes them (special tokens skipped)."""
+        body = await parse_body(request, DetokenizeBody, self.max_body_bytes)
+        self._check_model(body)
+        bad = [t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size]   # the tokenizer's: no engine needed
+        if bad:
+            raise APIError(400, f"tokens: token ids must lie in [0, {self.tokenizer.vocab_size}), got {bad[:8]}",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "swakv",

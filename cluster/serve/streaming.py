@@ -59,6 +59,8 @@ class ResponseChoice:
         self.replica = None                     # the engine replica serving it, once routed
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, int, tuple]] = []   # (token, text offset, engine entry)
+        self.prompt_logprobs: list[tuple] = []   # engine entries of prompt positions 1.. (if it scores its prompt;
+                                                 # all arrive by its first token: the server's ``_open`` takes them)
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
 
