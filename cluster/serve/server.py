@@ -223,7 +223,7 @@ class OpenAIServer:
                       max_tokens: int | None = None, max_field: str = "max_tokens") -> None:
         """Nothing is cut silently: a prompt that leaves no room (none needed with max_tokens 0), or a prompt
         and ``max_tokens`` beyond the context, is refused with the figures. ``at_least``: ``num_tokens``
-        is a lower bound (counted before encoding), which is as good for refusing."""
+        is a lower bound (counted before encoding), which is as good for refusing a prompt alone."""
         limit, some = self.max_model_len, "at least " if at_least else ""
         if num_tokens > limit or (num_tokens == limit and max_tokens != 0):
             raise APIError(400, f"{field}: the prompt has {some}{num_tokens} tokens, which leaves no room to "
@@ -231,17 +231,17 @@ class OpenAIServer:
                            code="context_length_exceeded")
         if max_tokens and num_tokens + max_tokens > limit:
             raise APIError(400, f"{max_field}: this model's maximum context length is {limit} tokens "
-                           f"(max_model_len); you requested {some}{num_tokens + max_tokens} tokens ({some}{num_tokens} "
-                           f"in {field}, {max_tokens} in {max_field}). {max_field} can be at most "
+                           f"(max_model_len); you requested {num_tokens + max_tokens} tokens ({num_tokens} in {field}, "
+                           f"{max_tokens} in {max_field}). {max_field} can be at most "
                            f"{limit - num_tokens} for this prompt, or omitted (the rest of the context)",
                            param=max_field, code="context_length_exceeded")
 
-    def _check_text_length(self, num_chars: int, field: str = "prompt", max_tokens: int | None = None,
-                           max_field: str = "max_tokens") -> None:
-        """Refuse text that cannot fit before spending any time encoding it."""
+    def _check_text_length(self, num_chars: int, field: str = "prompt") -> None:
+        """Refuse text that cannot fit before spending any time encoding it (with ``max_tokens``, once its
+        exact length is known: the refusal gives the figures)."""
         per_token = self.tokenizer.max_chars_per_token
         if per_token:
-            self._check_length(-(-num_chars // per_token), field, True, max_tokens, max_field)
+            self._check_length(-(-num_chars // per_token), field, at_least=True, max_tokens=0)
 
     async def _tokenize(self, fn, arg, size: int) -> list[int]:
         """Tokenise off the event loop when the input is large, so other requests and /health go on."""
@@ -453,7 +453,7 @@ class OpenAIServer:
             raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
         texts = [(i, p) for i, p in enumerate(batch) if isinstance(p, str)]
         for i, p in texts:
-            self._check_text_length(len(p), "prompt" if len(batch) == 1 else f"prompt[{i}]", params.max_tokens)
+            self._check_text_length(len(p), "prompt" if len(batch) == 1 else f"prompt[{i}]")
         size = sum(len(p) for _, p in texts)
         encoded = await self._tokenize(lambda ps: [self.tokenizer.encode(p) for _, p in ps], texts, size)
         prompts = [list(p) for p in batch]
@@ -472,7 +472,7 @@ class OpenAIServer:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
-        self._check_text_length(size, "messages", params.max_tokens, max_field)
+        self._check_text_length(size, "messages")
         prompt = await self._tokenize(self.tokenizer.chat_prompt, messages, size)
         return await self._respond("chat", body, [prompt], params, request, max_field=max_field)
 
