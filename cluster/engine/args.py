@@ -42,7 +42,8 @@ class EngineArgs:
                                            "(e.g. H100-80GB)")
     num_cpus_per_worker: float = 1.0
     seed: int = 0                          # the workers' sampling seed for unseeded requests
-    sleep_factor: float = 0.0              # simulated workers sleep their modelled step time x this
+    sleep_factor: float = _arg(0.0, "with --simulated-gpu: the workers sleep the modelled step time x this "
+                                    "(default 0: no sleep)")
     sliding_as_full: bool = False          # every layer allocated as full attention (the comparison baseline)
     async_scheduling: bool = False         # schedule step N+1 while step N runs (in-process executor)
     cuda_graphs: bool = False              # replay decode-only steps from CUDA graphs
@@ -71,6 +72,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
+        if self.sleep_factor and self.simulated_gpu is None:
+            raise ValueError("sleep_factor needs simulated_gpu (only simulated workers sleep)")
         if self.simulated_gpu is not None:
             from workers.sim.gpus import get_gpu
             get_gpu(self.simulated_gpu)          # an unknown GPU is named with the known ones
