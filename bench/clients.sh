@@ -39,6 +39,10 @@ report = json.load(open(sys.argv[1]))
 for b in report["benchmarks"]:
     totals = b["metrics"]["request_totals"] if "request_totals" in b["metrics"] else b["request_totals"]
     print("requests:", {k: totals[k] for k in ("successful", "errored", "incomplete", "total") if k in totals})
+    for name in ("time_to_first_token_ms", "inter_token_latency_ms", "output_tokens_per_second"):
+        summary = b["metrics"].get(name, {}).get("successful") or {}
+        print(f"  {name}: median {summary.get('median', float('nan')):.1f}, p95 "
+              f"{(summary.get('percentiles') or {}).get('p95', float('nan')):.1f}")
     sys.exit(1 if totals.get("errored") else 0)
 PY
 done
