@@ -28,7 +28,7 @@ status=0
 for format in /v1/chat/completions /v1/completions; do
     echo "== guidellm, streaming $format"
     "$GUIDELLM" run --backend kind=openai_http,target=$URL,model=$MODEL,request_format=$format \
-        --profile kind=concurrent,streams=4 --constraint kind=max_requests,value=40 \
+        --profile kind=concurrent,streams=4 --constraint kind=max_requests,count=40 \
         --data kind=synthetic_text,prompt_tokens=128,output_tokens=64 \
         --tokenizer kind=huggingface_auto,model=$TOKENIZER \
         --output kind=json,path=$OUT/guidellm${format//\//_}.json --disable-console-interactive \
