@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Third-party clients against `swakv serve` on the bundled model (as `make serve` runs it): guidellm's
 # streaming benchmark (chat and completions) and lm-eval's local-completions on the tiny local tasks in
-# bench/lmeval/ (loglikelihood, multiple choice). Prints each tool's summary; exits non-zero if any
+# bench/lmeval/ (loglikelihood, multiple choice; its venv needs lm-eval[api] and transformers). Prints each tool's summary; exits non-zero if any
 # request failed. Usage (from the repository root, each tool in its own venv):
 #   GUIDELLM=/path/to/guidellm-venv/bin/guidellm LMEVAL=/path/to/lmeval-venv/bin/lm_eval bench/clients.sh [PORT]
 set -u
@@ -25,7 +25,7 @@ grep "swakv: serving" "$OUT/serve.log"
 curl -s "$URL/health"; echo
 
 status=0
-for format in /v1/chat/completions /v1/completions; do
+for format in ${GUIDELLM:+/v1/chat/completions /v1/completions}; do   # GUIDELLM unset: skipped
     echo "== guidellm, streaming $format"
     "$GUIDELLM" run --backend kind=openai_http,target=$URL,model=$MODEL,request_format=$format \
         --profile kind=concurrent,streams=4 --constraint kind=max_requests,count=40 \
@@ -47,11 +47,13 @@ for b in report["benchmarks"]:
 PY
 done
 
+if [ -n "${LMEVAL:-}" ]; then   # LMEVAL unset: skipped
 echo "== lm-eval local-completions: loglikelihood + multiple choice"
 "$LMEVAL" run --model local-completions \
     --model_args model=$MODEL,base_url=$URL/v1/completions,tokenizer=$TOKENIZER,tokenizer_backend=huggingface,num_concurrent=2,max_retries=1 \
     --tasks swakv_tiny_loglikelihood swakv_tiny_mc --include_path bench/lmeval \
     --output_path "$OUT/lmeval" > "$OUT/lmeval.log" 2>&1 || status=1
 grep -E "^\|" "$OUT/lmeval.log" || tail -30 "$OUT/lmeval.log"
+fi
 echo "errors in the server log: $(grep -ci 'error\|traceback' "$OUT/serve.log")"
 exit $status
