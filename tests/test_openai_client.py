@@ -9,7 +9,10 @@ token, a seed replayed, a sibling of ``n`` equal to the lone request with its se
 from __future__ import annotations
 
 import functools
+import json
 import socket
+
+import httpx
 
 import openai
 import pytest
@@ -68,6 +71,17 @@ def reference(prompt, max_tokens, *, bias=None, presence=0.0, frequency=0.0, rep
         if stop_at_eos and token == EOS:
             break
     return out, logprobs
+
+
+@functools.cache
+def prompt_log_softmax(ids: tuple[int, ...]) -> torch.Tensor:
+    """[len(ids), vocab]: row q is the raw log-softmax after tokens 0..q, from one dense forward."""
+    with torch.no_grad():
+        return torch.log_softmax(reference_model()(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def token_text(t: int) -> str:
+    return bytes([t]).decode("utf-8", "replace") if t < 256 else tokenizer().decode([t])
 
 
 def encode(text: str) -> list[int]:
@@ -315,7 +329,7 @@ REFUSED = [
     ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"suffix": "after"}, "suffix"),
     ("completions", {"logprobs": 21}, "logprobs"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ("completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("completions", {"n": 17}, "n"),
     ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
@@ -356,3 +370,181 @@ def test_harmless_fields_are_accepted(client):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, user="u-1",
                                        response_format={"type": "text"}, tool_choice="none", parallel_tool_calls=True)
     assert r.choices[0].token_ids == reference(chat_prompt(MESSAGES), 2)[0]
+
+
+# -- what OpenAI's, vLLM's and eval harnesses' clients send --------------------------------------------
+def test_null_means_as_if_omitted_for_every_nullable_field(client):
+    expected = reference(encode(PROMPT), 4)[0]
+    nulls = dict(temperature=None, top_p=None, n=None, presence_penalty=None, frequency_penalty=None, stream=None,
+                 echo=None, logprobs=None, seed=None, stop=None, user=None, best_of=None, logit_bias=None,
+                 suffix=None, stream_options=None)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **nulls,
+                                  extra_body={"top_k": None, "min_p": None, "repetition_penalty": None,
+                                              "ignore_eos": None, "stop_token_ids": None, "prompt_logprobs": None})
+    assert (r.choices[0].token_ids, r.choices[0].logprobs) == (expected, None)
+    chat = dict(temperature=None, top_p=None, n=None, presence_penalty=None, frequency_penalty=None, stream=None,
+                logprobs=None, top_logprobs=None, seed=None, stop=None, max_completion_tokens=None, tools=None,
+                tool_choice=None, response_format=None, stream_options=None, parallel_tool_calls=None)
+    r = client.chat.completions.create(model=MODEL, messages=[{**MESSAGES[1], "name": None}], max_tokens=3, **chat)
+    assert r.choices[0].token_ids == reference(chat_prompt(MESSAGES[1:]), 3)[0]
+    chunks, text = completion_stream(client, prompt=PROMPT, max_tokens=4,
+                                     stream_options={"include_usage": None, "continuous_usage_stats": None})
+    assert text == text_of(expected) and all(c.usage is None for c in chunks)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_with_max_tokens_0_or_more(client):
+    text = "Score this prompt, as lm-eval does"
+    prompt = encode(text)
+    ref = prompt_log_softmax(tuple(prompt))
+    want_prompt = [None] + [float(ref[q - 1, prompt[q]]) for q in range(1, len(prompt))]
+    for max_tokens in (0, 1, 3):
+        generated, steps = reference(prompt, max_tokens)
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=max_tokens, echo=True, logprobs=2,
+                                      temperature=0)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == text + text_of(generated)
+        assert lp.tokens == [token_text(t) for t in prompt + generated]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(
+            want_prompt[1:] + [float(s[t]) for s, t in zip(steps, generated)], abs=1e-4)
+        assert lp.text_offset == list(range(len(prompt))) + [len(text) + len(text_of(generated[:i]))
+                                                               for i in range(len(generated))]
+        for q in range(1, len(prompt)):   # the top 2, and the prompt's own token when it is not among them
+            values, ids = ref[q - 1].topk(2)
+            want = dict(zip(map(token_text, ids.tolist()), values.tolist()))
+            want.setdefault(token_text(prompt[q]), float(ref[q - 1, prompt[q]]))
+            assert lp.top_logprobs[q] == pytest.approx(want, abs=1e-4)
+        assert r.choices[0].finish_reason == ("stop" if generated and generated[-1] == EOS else "length")
+        assert r.usage.completion_tokens == len(generated)
+        chunks, streamed = completion_stream(client, prompt=text, max_tokens=max_tokens, echo=True, logprobs=2)
+        assert streamed == r.choices[0].text
+        assert [v for c in chunks for v in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    # token ids as the prompt, as lm-eval's local-completions sends them (max_tokens 1, logprobs 1)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert r.choices[0].logprobs.token_logprobs[:len(prompt)] == pytest.approx(want_prompt, abs=1e-4)
+
+
+def test_vllm_prompt_logprobs_give_each_token_its_logprob_and_rank(client):
+    prompt = encode("Ranks of a prompt")
+    ref = prompt_log_softmax(tuple(prompt))
+
+    def expected(k):
+        out = [None]
+        for q in range(1, len(prompt)):
+            row, t = ref[q - 1], prompt[q]
+            entry = {str(t): (float(row[t]), 1 + int((row > row[t]).sum()), token_text(t))}
+            values, ids = row.topk(k)
+            for r, (i, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+                entry.setdefault(str(i), (v, r, token_text(i)))
+            out.append(entry)
+        return out
+
+    def as_tuples(scored):
+        return [None if e is None else {t: (v["logprob"], v["rank"], v["decoded_token"]) for t, v in e.items()}
+                for e in scored]
+
+    for k in (0, 3):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": k})
+        got = as_tuples(r.choices[0].model_extra["prompt_logprobs"])
+        want = expected(k)
+        assert [None if e is None else {t: (v[1], v[2]) for t, v in e.items()} for e in got] == \
+               [None if e is None else {t: (v[1], v[2]) for t, v in e.items()} for e in want]
+        assert [None if e is None else {t: v[0] for t, v in e.items()} for e in got] == \
+               [None if e is None else pytest.approx({t: v[0] for t, v in e.items()}, abs=1e-4) for e in want]
+        assert r.choices[0].token_ids == reference(prompt, 2)[0] and r.choices[0].logprobs is None
+    chat = chat_prompt(MESSAGES)
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    scored = r.model_extra["prompt_logprobs"]   # vLLM's chat: on the response, not a choice
+    ref = prompt_log_softmax(tuple(chat))
+    assert len(scored) == len(chat) and scored[0] is None
+    assert [e[str(t)]["logprob"] for e, t in zip(scored[1:], chat[1:])] == \
+           pytest.approx([float(ref[q - 1, chat[q]]) for q in range(1, len(chat))], abs=1e-4)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    prompt = encode(PROMPT)
+    expected, _ = reference(prompt, 6, stop_at_eos=False)
+    chunks, text = completion_stream(client, prompt=PROMPT, max_tokens=6, extra_body={"ignore_eos": True},
+                                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert text == text_of(expected)
+    counted = [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks]
+    produced = 0
+    for c, (p, done, total) in zip(chunks[:-1], counted):
+        produced += len(c.choices[0].token_ids)
+        assert (p, done, total) == (len(prompt), produced, len(prompt) + produced)
+    assert counted[-1] == (len(prompt), 6, len(prompt) + 6) and chunks[-1].choices == []
+    chat = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True,
+                                               extra_body={"ignore_eos": True},
+                                               stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3]   # the role chunk first: nothing yet
+    assert {c.usage.prompt_tokens for c in chat} == {len(chat_prompt(MESSAGES))}
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(client):
+    prompt = encode(PROMPT)
+    full, _ = reference(prompt, 30, stop_at_eos=False)
+    text = text_of(full)
+    stop = text[10:13]
+    token = full[7]
+    first = full.index(token)
+    cases = [(dict(stop=[stop]), "stop", stop, len(encode(text[:text.index(stop)])) + len(stop)),
+             (dict(extra_body={"stop_token_ids": [token], "ignore_eos": True}), "stop", token, first + 1),
+             (dict(extra_body={"ignore_eos": True}), "length", None, 30)]
+    for options, finish, reason, produced in cases:
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, **options)
+        c = r.choices[0]
+        assert (c.finish_reason, c.model_extra["stop_reason"], len(c.token_ids)) == (finish, reason, produced)
+        chunks, _ = completion_stream(client, prompt=PROMPT, max_tokens=30, **options)
+        assert [ch.choices[0].model_extra["stop_reason"] for ch in chunks] == [None] * (len(chunks) - 1) + [reason]
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(client):
+    base = str(client.base_url).removesuffix("/v1/")
+    ids = encode(PROMPT)
+
+    def post(path, body):
+        return httpx.post(base + path, json=body, timeout=30)
+
+    assert post("/tokenize", {"model": MODEL, "prompt": PROMPT}).json() == {
+        "count": len(ids), "max_model_len": MAX_LEN, "tokens": ids, "token_strs": None}
+    r = post("/tokenize", {"prompt": "Ab c", "return_token_strs": True, "add_special_tokens": False}).json()
+    assert (r["tokens"], r["token_strs"]) == ([65, 98, 32, 99], ["A", "b", "Ġ", "c"])
+    chat = chat_prompt(MESSAGES)
+    assert post("/tokenize", {"messages": MESSAGES}).json()["tokens"] == chat
+    bare = tokenizer().apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    assert post("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()["tokens"] == \
+        tokenizer().encode(bare, add_special_tokens=False) != chat
+    assert post("/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": PROMPT}
+    assert post("/detokenize", {"tokens": chat}).json() == {"prompt": text_of(chat)}
+    for path, body, param in [("/detokenize", {"tokens": [1, 259]}, "tokens"),
+                              ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, "model"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{"},
+                               "chat_template")]:
+        r = post(path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, r.text
+
+
+def test_prompt_and_max_tokens_beyond_the_context_are_refused_with_the_figures(client):
+    prompt = encode(PROMPT)   # 18 tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100000)
+    assert (err.value.param, err.value.code) == ("max_tokens", "context_length_exceeded")
+    assert err.value.body["message"] == (
+        f"max_tokens: this model's maximum context length is {MAX_LEN} tokens (max_model_len); you requested "
+        f"{len(prompt) + 100000} tokens ({len(prompt)} in prompt, 100000 in max_tokens). max_tokens can be at most "
+        f"{MAX_LEN - len(prompt)} for this prompt, or omitted (the rest of the context)")
+    chat = chat_prompt(MESSAGES)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=MAX_LEN)
+    assert err.value.param == "max_completion_tokens"
+    assert f"max_completion_tokens can be at most {MAX_LEN - len(chat)} for this prompt" in err.value.body["message"]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_LEN - len(prompt),
+                                  extra_body={"ignore_eos": True})   # exactly the context: served to the end
+    assert len(r.choices[0].token_ids) == MAX_LEN - len(prompt)
+    full = [65] * MAX_LEN   # a whole-context prompt may be scored (max_tokens 0), not continued
+    r = client.completions.create(model=MODEL, prompt=full, max_tokens=0, echo=True, logprobs=0)
+    assert len(r.choices[0].logprobs.token_logprobs) == MAX_LEN and r.choices[0].token_ids == []
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=full, max_tokens=1)
+    assert (err.value.param, err.value.code) == ("prompt", "context_length_exceeded")

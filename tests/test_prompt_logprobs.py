@@ -40,11 +40,14 @@ def dense_log_softmax(model: str, prompt: tuple[int, ...]) -> torch.Tensor:
 
 
 def assert_scores_match(model: str, prompt, scored, k: int) -> None:
-    """``scored``: None, then (logprob, top ids, top logprobs) for positions 1 .. len(prompt) - 1."""
+    """``scored``: None, then (logprob, top ids, top logprobs, rank) for positions 1 .. len(prompt) - 1."""
     ref = dense_log_softmax(model, tuple(prompt))
     assert len(scored) == len(prompt) and scored[0] is None
     got = [entry[0] for entry in scored[1:]]
     assert got == pytest.approx([float(ref[q - 1, prompt[q]]) for q in range(1, len(prompt))], abs=1e-4)
+    # rank: 1 + the tokens the reference finds likelier (ties within float noise would make this flaky: none here)
+    assert [entry[3] for entry in scored[1:]] == \
+           [1 + int((ref[q - 1] > ref[q - 1, prompt[q]]).sum()) for q in range(1, len(prompt))]
     for q in range(1, len(prompt)):
         values, ids = ref[q - 1].topk(k)
         assert scored[q][1] == ids.tolist()
@@ -132,7 +135,7 @@ def test_simulated_workers_score_every_prompt_position_uniformly():
             scored += u.prompt_logprobs or []
             finished = (u.finish_reason, u.error) if u.finished else finished
     assert finished == ("length", None)
-    assert scored == [(pytest.approx(-6.907755), [t], [pytest.approx(-6.907755)]) for t in PROMPT[1:]]
+    assert scored == [(pytest.approx(-6.907755), [t], [pytest.approx(-6.907755)], 1) for t in PROMPT[1:]]
 
 
 def test_prompt_logprobs_cross_the_wire_as_packed_float32():
@@ -140,11 +143,12 @@ def test_prompt_logprobs_cross_the_wire_as_packed_float32():
     values = [float(torch.tensor(-0.001 * i).float()) for i in range(n)]
     top_ids = [[(i + j) % 256 for j in range(k)] for i in range(n)]
     top_values = [[float(torch.tensor(-0.5 * j - 1e-3 * i).float()) for j in range(k)] for i in range(n)]
-    out = StepOutput(3, {"a": 7}, prompt_logprobs={"a": (1, values, top_ids, top_values),
-                                                   "b": (17, values[:3], [[]] * 3, [[]] * 3)})
+    ranks = [1 + i * 37 for i in range(n)]
+    out = StepOutput(3, {"a": 7}, prompt_logprobs={"a": (1, values, top_ids, top_values, ranks),
+                                                   "b": (17, values[:3], [[]] * 3, [[]] * 3, [1, 2, 3])})
     payload = encode_output(out)
     assert decode_output(payload) == out
-    assert len(payload) < n * (4 + 8 * k) + 100      # 4 bytes a logprob, 8 a top entry: no boxed numbers
+    assert len(payload) < n * (8 + 8 * k) + 100      # 4 bytes a logprob and a rank, 8 a top entry: no boxed numbers
 
 
 @pytest.mark.parametrize("params, field", [

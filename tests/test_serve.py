@@ -257,7 +257,8 @@ BAD_REQUESTS = [
     ("/v1/completions", b"[1, 2]", 400, "Input should be an object"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt: Field required"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "16"}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "at most 4 stop strings"),
@@ -268,7 +269,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature: Input should be less than or equal"),
     ("/v1/completions", {"prompt": [1, 256, 3]}, 400, "token ids must lie in [0, 256), got [256]"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
-    ("/v1/completions", {"prompt": ""}, 400, "prompt_token_ids is empty"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt: the prompt is empty"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]: the prompt is empty"),
     ("/v1/completions", {"prompt": "x" * MAX_LEN, "stream": True}, 400, f"max_model_len={MAX_LEN}"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
@@ -290,6 +292,9 @@ def test_bad_requests_get_4xx_json(url, path, body, status, needle):
     assert error["type"] == "invalid_request_error"
     if status == 404:
         assert error["param"] == "model"
+    if not isinstance(body, bytes):   # a body that is not a JSON object has no field to blame
+        assert error["param"] is not None and error["param"] in error["message"]
+    assert "cmpl-" not in error["message"] and "#" not in error["message"]   # no internal request id
 
 
 def test_unknown_route_and_nothing_left_behind(url):
@@ -387,8 +392,9 @@ def test_over_long_prompts_are_refused_before_the_engine(url):
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 5000}]}, "at least 5000")]
     for path, body, tokens in cases:
         error = error_of(httpx.post(url + path, json=body, timeout=60), 400)
-        assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
-        assert error["message"] == (f"prompt: the prompt has {tokens} tokens, which leaves no room to generate "
+        field = "messages" if "chat" in path else "prompt"
+        assert (error["param"], error["code"]) == (field, "context_length_exceeded")
+        assert error["message"] == (f"{field}: the prompt has {tokens} tokens, which leaves no room to generate "
                                     f"within max_model_len={MAX_LEN}")
     assert engine_stats()["finished"].get("error", 0) == 0   # none reached the engine
     assert_still_serving(url)

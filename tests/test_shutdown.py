@@ -64,25 +64,31 @@ def port_is_free(port: int) -> bool:
 
 
 def start_server(mark: str) -> subprocess.Popen:
-    """The server in a process group of its own (as a shell starts a job), ready on ``PORT``."""
+    """The server in a process group of its own (as a shell starts a job), once it announces it serves on
+    ``PORT``: by then ``/health`` says it is ready and routable (the router follows its engine)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SWAKV_SHUTDOWN_TEST": mark}
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", "--port", str(PORT), "--num-cpus", "2",
                              "--num-blocks", "256"], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    announced = threading.Event()
+
+    def read_stdout():   # drained to the end, so the server never blocks on a full pipe
+        for line in proc.stdout:
+            if line.startswith(f"swakv: serving swakv-tiny-hybrid on http://127.0.0.1:{PORT}"):
+                announced.set()
+
+    threading.Thread(target=read_stdout, daemon=True).start()
     deadline = time.monotonic() + 240
-    while True:
+    while not announced.wait(0.5):
         if proc.poll() is not None:
             out, err = proc.communicate()
             pytest.fail(f"serve exited with {proc.returncode} before it was ready:\n{err[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail("serve did not become ready in 240 s")
-        time.sleep(0.5)
+            pytest.fail("serve did not announce itself in 240 s")
+    health = httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=10)
+    assert (health.status_code, health.json()["status"], health.json()["routable"]) == (200, "ok", 1)
+    return proc
 
 
 def stream_in_flight() -> tuple[list[dict], threading.Thread]:

@@ -22,8 +22,8 @@ which is empty unless a recomputed request hits its own generated tokens).
 
 Prompt logprobs (``SamplingSpec.prompt_logprobs``, for scoring a prompt): the last stage keeps, besides
 each sampling row, the logits of every prompt position of the chunk and returns, per request, the raw
-log-softmax of each prompt token given its prefix (and the top k), as ``StepOutput.prompt_logprobs``
-entries ``(first position, logprobs, top ids, top logprobs)``. The token at the start of a chunk is scored
+log-softmax of each prompt token given its prefix (and the top k, and its rank), as
+``StepOutput.prompt_logprobs`` entries ``(first position, logprobs, top ids, top logprobs, ranks)``. The token at the start of a chunk is scored
 by the last row of the chunk before it, which the last stage keeps until that token arrives; so every
 position from 1 on is scored, however the prompt is chunked, provided the prompt is computed from
 position 0 (the engine takes no prefix-cache hit for such a request until its positions are all scored).
@@ -145,8 +145,9 @@ class StepOutput:
     failed: dict[str, str] = field(default_factory=dict)   # request_id -> why its row could not be sampled
     device_time_s: float = 0.0           # real workers on CUDA: the step's span on the device (events)
     # request_id -> (first prompt position scored, raw logprob of each prompt token from there, per token
-    # the top ids and their raw logprobs), for requests with prompt_logprobs (module doc)
-    prompt_logprobs: dict[str, tuple[int, list[float], list[list[int]], list[list[float]]]] = \
+    # the top ids and their raw logprobs, each token's rank: 1 + the tokens likelier than it), for requests
+    # with prompt_logprobs (module doc)
+    prompt_logprobs: dict[str, tuple[int, list[float], list[list[int]], list[list[float]], list[int]]] = \
         field(default_factory=dict)
 
 

@@ -90,17 +90,17 @@ def decode_step(payload: bytes) -> StepInput:
 
 
 def _pack_prompt_logprobs(entry) -> list:
-    start, values, top_ids, top_values = entry
+    start, values, top_ids, top_values, ranks = entry
     k = len(top_ids[0]) if top_ids else 0
     return [start, k, np.asarray(values, "<f4").tobytes(), np.asarray(top_ids, "<i4").reshape(-1).tobytes(),
-            np.asarray(top_values, "<f4").reshape(-1).tobytes()]
+            np.asarray(top_values, "<f4").reshape(-1).tobytes(), np.asarray(ranks, "<i4").tobytes()]
 
 
 def _unpack_prompt_logprobs(packed) -> tuple:
-    start, k, values, top_ids, top_values = packed
+    start, k, values, top_ids, top_values, ranks = packed
     n = len(values) // 4
     rows = (np.frombuffer(top_ids, "<i4").reshape(n, k).tolist(), np.frombuffer(top_values, "<f4").reshape(n, k).tolist())
-    return start, np.frombuffer(values, "<f4").tolist(), *rows
+    return start, np.frombuffer(values, "<f4").tolist(), *rows, np.frombuffer(ranks, "<i4").tolist()
 
 
 def encode_output(out: StepOutput) -> bytes:

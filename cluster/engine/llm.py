@@ -19,7 +19,7 @@ class CompletionOutput:
     finish_reason: str                   # length | stop | error
     text: str | None = None
     error: str | None = None             # why, when finish_reason is "error"
-    # with prompt_logprobs: None for position 0, then (raw logprob, top ids, top logprobs) per prompt token
+    # with prompt_logprobs: None for position 0, then (raw logprob, top ids, top logprobs, rank) per prompt token
     prompt_logprobs: list | None = None
 
 

@@ -81,7 +81,7 @@ class SequenceUpdate:
     num_cached_tokens: int = 0
     error: str | None = None              # why, when finish_reason is "error"
     prompt_logprobs: list | None = None   # per prompt position after those delivered before: (logprob, top ids,
-                                          # top logprobs), if asked (positions 1 .. len(prompt) - 1 in all)
+                                          # top logprobs, rank), if asked (positions 1 .. len(prompt) - 1 in all)
     error_type: str | None = None         # with error: request_failed (None says so too) | engine_unavailable |
                                           # server_shutting_down
 
@@ -367,12 +367,12 @@ class Scheduler:
         still unscored (the request must fail: a gap would be silent)."""
         new = None
         if entry is not None and seq.params.prompt_logprobs is not None:
-            start, values, top_ids, top_values = entry
+            start, values, top_ids, top_values, ranks = entry
             skip = seq.num_prompt_logprobs + 1 - start
             if skip < 0:
                 return (f"prompt logprobs: the workers scored positions from {start} on, but only 1.."
                         f"{seq.num_prompt_logprobs} were delivered")
-            new = [(v, i, t) for v, i, t in zip(values[skip:], top_ids[skip:], top_values[skip:])] or None
+            new = list(zip(values[skip:], top_ids[skip:], top_values[skip:], ranks[skip:])) or None
             seq.num_prompt_logprobs += len(new or ())
         req = seq.req
         if seq.scoring and end >= len(req.prompt_token_ids):

@@ -15,10 +15,10 @@ import os
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def _plain_chat(messages: list[dict]) -> str:
+def _plain_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """A template for models without one: each turn on its own lines, then the assistant's cue."""
     turns = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-    return turns + "<|assistant|>\n"
+    return turns + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 class ByteTokenizer:
@@ -34,11 +34,15 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.encode(_plain_chat(messages))
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(_plain_chat(messages, add_generation_prompt))
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if 0 <= token_id < 256 else b""
+
+    def pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string (a byte, read as UTF-8)."""
+        return [self.token_bytes(t).decode("utf-8", errors="replace") for t in token_ids]
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -76,11 +80,15 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.tok.decode(token_ids, skip_special_tokens=True)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if self.tok.chat_template:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
             return self.encode(text, add_special_tokens=False)  # the template already holds BOS
-        return self.encode(_plain_chat(messages))
+        return self.encode(_plain_chat(messages, add_generation_prompt))
+
+    def pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token's string in the vocabulary (byte-level BPE's stand-ins included), as transformers names it."""
+        return self.tok.convert_ids_to_tokens(token_ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         piece = self.tok.convert_ids_to_tokens(token_id)
@@ -119,7 +127,7 @@ class StreamDecoder:
 
     A trailing partial character waits for the bytes that finish it. With ``stop`` strings, text that
     could still become a stop string is held back, and once one appears the text ends just before it
-    (``stopped``); the stop string itself is never returned.
+    (``stopped``, ``matched`` the stop string); the stop string itself is never returned.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] | list[str] = ()):
@@ -129,6 +137,7 @@ class StreamDecoder:
         self.text = ""            # decoded so far; with stop strings, cut at the first one
         self.sent = ""            # what ``add`` returned so far
         self.stopped = False
+        self.matched: str | None = None   # the stop string the text ended before
         self._prefix = self._read = 0   # the tail decoded each time starts at _prefix; text covers up to _read
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
@@ -143,10 +152,11 @@ class StreamDecoder:
             self._prefix, self._read = self._read, len(self.token_ids)
         pending = self.text[len(self.sent):]
         if self.stop:
-            found = [i for i in (self.text.find(s, len(self.sent)) for s in self.stop) if i >= 0]
+            found = [(i, s) for i, s in ((self.text.find(s, len(self.sent)), s) for s in self.stop) if i >= 0]
             if found:
+                at, self.matched = min(found, key=lambda f: f[0])   # the earliest; a tie: the first listed
                 self.stopped = True
-                self.text = self.text[:min(found)]
+                self.text = self.text[:at]
                 pending = self.text[len(self.sent):]
             elif not final:
                 pending = pending[:len(pending) - self._could_become_stop(pending)]

@@ -79,7 +79,7 @@ class StreamItem(TypedDict):
     error: str | None               # why, when finish_reason is "error"
     error_type: str | None          # request_failed | engine_unavailable | server_shutting_down
     prompt_logprobs: list | None    # per prompt position after those of earlier items: (raw logprob, top ids,
-                                    # top logprobs), if asked (positions 1 .. len(prompt) - 1 in all)
+                                    # top logprobs, rank), if asked (positions 1 .. len(prompt) - 1 in all)
 
 
 class Load(TypedDict):

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import socket
+import uuid
 
 from ray.exceptions import RayActorError
 
-from cluster.engine.types import StreamItem
+from cluster.engine.types import SamplingParams, StreamItem
+from cluster.routing.prompt import PromptHashes
+
+from .openai import RETRY_ELSEWHERE, APIError, engine_restarted, error_from_engine, error_from_item
 
 
 class SubscriptionLost(RuntimeError):
@@ -100,6 +106,83 @@ class EngineFeed:
                 self.handle.abort.remote(abort_id)
             except RayActorError:
                 pass  # the engine is gone, and the request with it
+
+
+class EngineFeeds:
+    """This frontend's subscription to each engine replica of a ``ReplicaSet``, under one subscriber name."""
+
+    def __init__(self, replicas):
+        self.replicas = replicas
+        self.subscriber = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._feeds: dict[str, EngineFeed] = {}
+
+    def get(self, replica) -> EngineFeed:
+        """The replica's feed, opened at the first request after none was or the last one ended (raises
+        ValueError when no actor has its name)."""
+        feed = self._feeds.get(replica.name)
+        if feed is None or not feed.alive:
+            feed = self._feeds[replica.name] = EngineFeed(self.replicas.handle(replica), self.subscriber)
+        return feed
+
+    def lost(self, replica, feed: EngineFeed) -> None:
+        """The replica's engine is gone: route elsewhere, and subscribe afresh next time."""
+        self.replicas.down(replica)
+        if self._feeds.get(replica.name) is feed:
+            del self._feeds[replica.name]
+            feed.close()
+
+    async def start(self, label: str, prompt: PromptHashes, params: SamplingParams, affinity=None):
+        """(replica, feed, key, queue, first item) of a request: route, submit, and await the first item, so a refused request is an HTTP error, not a broken
+        stream. A replica that is gone, or refuses (no workers, shutting down), or fails the request for
+        its own reasons before a first token: the request goes to another replica, each tried once
+        (nothing was streamed, so nothing is answered twice); the last error if none takes it."""
+        tried: set[str] = set()
+        last: APIError = engine_restarted()
+        while True:
+            candidates = self.replicas.candidates(prompt, affinity, tried)
+            if not candidates:
+                raise last
+            replica, expected = candidates[0]
+            if tried:
+                self.replicas.retries += 1
+            tried.add(replica.name)
+            try:
+                feed = self.get(replica)
+            except ValueError:   # no actor of that name (yet)
+                self.replicas.down(replica)
+                continue
+            self.replicas.acquire(replica, prompt)
+            request_id = key = None
+            try:
+                request_id, key, queue = await feed.add(label, prompt.token_ids, params, prompt.for_engine())
+                item = await next_item(queue)
+            except (RayActorError, SubscriptionLost):
+                self.replicas.release(replica, prompt)
+                self.lost(replica, feed)
+                continue
+            except asyncio.CancelledError:  # the client left before the first token
+                self.replicas.release(replica, prompt)
+                if key is not None:
+                    feed.release(key, request_id)
+                raise
+            except Exception as exc:  # noqa: BLE001 - the engine's own refusal
+                self.replicas.release(replica, prompt)
+                if key is not None:
+                    feed.release(key)
+                error = error_from_engine(exc)
+                if error.type in RETRY_ELSEWHERE:
+                    last = error
+                    continue
+                raise error from None
+            self.replicas.first_token(replica, prompt)
+            if item["finish_reason"] == "error" and item.get("error_type") in RETRY_ELSEWHERE \
+                    and not item["token_ids"]:
+                self.replicas.release(replica)
+                feed.release(key)
+                last = error_from_item(item)
+                continue
+            self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
+            return replica, feed, key, queue, item
 
 
 async def next_item(queue: asyncio.Queue) -> StreamItem:

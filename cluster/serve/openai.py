@@ -5,13 +5,14 @@ refusal or failure becomes one. ``server.py`` answers the routes; README lists w
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray.exceptions import RayActorError
 
 from workers.protocol import MAX_LOGPROBS
@@ -35,9 +36,17 @@ class Strict(BaseModel):
     # an option we ignored silently would be an option the client believes it got.
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        """null means "as if omitted", for every field: OpenAI's clients send null for an unset nullable
+        option (``temperature=None``), and every default here is what omitting it means."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM's extension: usage (so far) in every chunk
 
 
 class Body(Strict):
@@ -77,8 +86,10 @@ class Body(Strict):
 
 class CompletionBody(Body):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)          # 0: score or echo the prompt only
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # vLLM's extension
     suffix: str | None = None                           # insertion is not implemented: refused unless empty
 
 
@@ -101,7 +112,30 @@ class ChatBody(Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)   # vLLM's extension
     modalities: list[Literal["text"]] | None = None
+
+
+class TokenizeBody(Strict):
+    """vLLM's ``/tokenize`` for a prompt (TokenizeCompletionRequest)."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatBody(Strict):
+    """vLLM's ``/tokenize`` for chat messages (TokenizeChatRequest): the prompt the chat route would run."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(Strict):
+    """vLLM's ``/detokenize``."""
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -134,10 +168,29 @@ _ENGINE_ERRORS = {   # an engine item's error_type -> (status, type)
 }
 
 
+_INTERNAL_ID = re.compile(r"'[^'\s]*#\d+'")   # the engine's own request id (``label#n``), in quotes
+_FIELDS_NAMED = ("max_tokens", "max_completion_tokens", "stop_token_ids", "logit_bias", "prompt_logprobs",
+                 "logprobs", "seed")
+
+
+def client_message(message: str) -> str:
+    """An engine's message as a client may see it: without the engine's internal request ids (the client
+    knows its request; ``label#n`` would only confuse it and leak how the engine names requests)."""
+    message = re.sub(r"request " + _INTERNAL_ID.pattern + r":\s*", "", message)
+    return _INTERNAL_ID.sub("this request", message)
+
+
+def _field_of(message: str) -> str | None:
+    """The request field an engine's refusal is about (its message names it), for ``param``."""
+    return next((f for f in _FIELDS_NAMED if re.search(rf"\b{f}\b", message)),
+                "prompt" if "prompt" in message or "token id" in message else None)
+
+
 def error_from_item(item: StreamItem) -> APIError:
     """The error an engine item that ends its request with finish_reason "error" carries."""
     status, type_ = _ENGINE_ERRORS.get(item.get("error_type"), (500, "server_error"))
-    return APIError(status, item.get("error") or "the request failed", type_, code=item.get("error_type"))
+    return APIError(status, client_message(item.get("error") or "the request failed"), type_,
+                    code=item.get("error_type"))
 
 
 def error_from_engine(exc: BaseException) -> APIError:
@@ -151,8 +204,9 @@ def error_from_engine(exc: BaseException) -> APIError:
         type_ = "server_shutting_down" if cause.status == "stopping" else "engine_unavailable"
         return APIError(503, cause.message, type_, code=type_)
     if isinstance(cause, (ValueError, TypeError)):
-        return APIError(400, str(cause))
-    return APIError(503, f"engine error: {cause}", "engine_error", code="engine_error")
+        message = client_message(str(cause))
+        return APIError(400, message, param=_field_of(message))
+    return APIError(503, client_message(f"engine error: {cause}"), "engine_error", code="engine_error")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "literal"}
@@ -201,6 +255,20 @@ async def parse_body(request: Request, body_type: type[Body], limit: int) -> Bod
         raise validation_error(err) from None
 
 
+async def parse_tokenize_body(request: Request, limit: int) -> TokenizeBody | TokenizeChatBody:
+    """A ``/tokenize`` body is a chat one when it has ``messages`` (vLLM tells its two shapes apart so too)."""
+    raw = await read_body(request, limit)
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    try:
+        shape = TokenizeChatBody if isinstance(data, dict) and "messages" in data else TokenizeBody
+        return shape.model_validate_json(raw)
+    except ValidationError as err:
+        raise validation_error(err) from None
+
+
 def refuse_unsupported(body: Body) -> None:
     """Options that are well-formed but would change the output in ways this server does not implement."""
     def no(param: str, message: str):
@@ -231,10 +299,10 @@ def refuse_unsupported(body: Body) -> None:
     if isinstance(body, CompletionBody):
         if body.suffix:
             no("suffix", "inserting text before a suffix is not supported")
-        if body.echo and body.logprobs is not None:
-            no("echo", "echo with logprobs would need the prompt's logprobs, which this server does not compute")
     if isinstance(body, ChatBody) and body.top_logprobs is not None and not body.logprobs:
         no("top_logprobs", "top_logprobs needs logprobs: true")
+    if body.prompt_logprobs is not None and body.stream:
+        no("prompt_logprobs", "not available when stream is true (echo with logprobs streams the prompt's)")
 
 
 def stop_strings(body: Body) -> list[str]:

@@ -26,10 +26,7 @@ KV blocks through the prefix cache instead of computing the prompt ``n`` times.
 
 import asyncio
 import dataclasses
-import os
-import socket
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -45,21 +42,17 @@ from cluster.routing.policies import make_router
 from cluster.routing.prompt import PromptHashes
 from cluster.routing.replicas import ReplicaSet
 
-from .feed import EngineFeed, SubscriptionLost, next_item
+from .feed import EngineFeeds, SubscriptionLost, next_item
+from .logprobs import LogprobFormatter
 from .metrics import prometheus_text
-from .openai import (DEFAULT_MAX_BODY_BYTES, LOGPROB_FLOOR, MAX_CHOICES, MAX_PROMPTS, PARSE_IN_THREAD_BYTES,
-                     RETRY_ELSEWHERE, APIError, Body, ChatBody, CompletionBody, engine_restarted, error_from_engine,
-                     error_from_item, parse_body, refuse_unsupported, response_id, stop_strings)
-from .streaming import EventStream, ResponseChoice, sse, usage
+from .openai import (DEFAULT_MAX_BODY_BYTES, MAX_CHOICES, MAX_PROMPTS, PARSE_IN_THREAD_BYTES,
+                     APIError, Body, ChatBody, CompletionBody, DetokenizeBody, TokenizeChatBody, engine_restarted,
+                     error_from_engine, error_from_item, parse_body, parse_tokenize_body, refuse_unsupported,
+                     response_id, stop_strings)
+from .streaming import EventStream, ResponseChoice, merged_event, sse, usage
 
 ENGINE_CALL_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
-
-
-def _merged(a: tuple, b: tuple) -> tuple:
-    """Two consecutive events of one choice as one: (choice, text delta, item, finish reason, logprobs)."""
-    item = {**b[2], "token_ids": a[2]["token_ids"] + b[2]["token_ids"]}
-    return a[0], a[1] + b[1], item, b[3], a[4] + b[4]
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -93,13 +86,13 @@ class OpenAIServer:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.max_body_bytes = max_body_bytes
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.formatter = LogprobFormatter(self.tokenizer)
         self.created = int(time.time())
         self.router_name = router
         self.replicas = ReplicaSet(self.engine_names, namespace, make_router(router, router_seed))
         self._info: ModelInfo | None = None
         self._vocab_size = self.tokenizer.vocab_size
-        self._feeds: dict[str, EngineFeed] = {}            # engine replica name -> this frontend's subscription
-        self._subscriber = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._feeds = EngineFeeds(self.replicas)            # this frontend's subscription to each engine
 
     # -- engine replicas --------------------------------------------------------------------------
     async def _connect(self) -> None:
@@ -123,81 +116,13 @@ class OpenAIServer:
         self._eos_token_ids = tuple((info or {}).get("eos_token_ids", ()))
         self._info = info
 
-    def _feed(self, replica) -> EngineFeed:
-        """This frontend's subscription to ``replica``'s engine, opened at the first request after none was
-        or the last one ended (raises ValueError when no actor has its name)."""
-        feed = self._feeds.get(replica.name)
-        if feed is None or not feed.alive:
-            feed = self._feeds[replica.name] = EngineFeed(self.replicas.handle(replica), self._subscriber)
-        return feed
-
-    def _lost(self, replica, feed: EngineFeed) -> None:
-        """The replica's engine is gone: route elsewhere, and subscribe afresh next time."""
-        self.replicas.down(replica)
-        if self._feeds.get(replica.name) is feed:
-            del self._feeds[replica.name]
-            feed.close()
-
-    async def _start(self, label: str, prompt: PromptHashes, params: SamplingParams, affinity=None):
-        """Route, submit, and await the first item, so a refused request is an HTTP error, not a broken
-        stream. A replica that is gone, or refuses (no workers, shutting down), or fails the request for
-        its own reasons before a first token: the request goes to another replica, each tried once
-        (nothing was streamed, so nothing is answered twice); the last error if none takes it."""
-        tried: set[str] = set()
-        last: APIError = engine_restarted()
-        while True:
-            candidates = self.replicas.candidates(prompt, affinity, tried)
-            if not candidates:
-                raise last
-            replica, expected = candidates[0]
-            if tried:
-                self.replicas.retries += 1
-            tried.add(replica.name)
-            try:
-                feed = self._feed(replica)
-            except ValueError:   # no actor of that name (yet)
-                self.replicas.down(replica)
-                continue
-            self.replicas.acquire(replica, prompt)
-            request_id = key = None
-            try:
-                request_id, key, queue = await feed.add(label, prompt.token_ids, params, prompt.for_engine())
-                item = await next_item(queue)
-            except (RayActorError, SubscriptionLost):
-                self.replicas.release(replica, prompt)
-                self._lost(replica, feed)
-                continue
-            except asyncio.CancelledError:  # the client left before the first token
-                self.replicas.release(replica, prompt)
-                if key is not None:
-                    feed.release(key, request_id)
-                raise
-            except Exception as exc:  # noqa: BLE001 - the engine's own refusal
-                self.replicas.release(replica, prompt)
-                if key is not None:
-                    feed.release(key)
-                error = error_from_engine(exc)
-                if error.type in RETRY_ELSEWHERE:
-                    last = error
-                    continue
-                raise error from None
-            self.replicas.first_token(replica, prompt)
-            if item["finish_reason"] == "error" and item.get("error_type") in RETRY_ELSEWHERE \
-                    and not item["token_ids"]:
-                self.replicas.release(replica)
-                feed.release(key)
-                last = error_from_item(item)
-                continue
-            self.replicas.check_hit(expected, item.get("num_cached_tokens", 0))
-            return replica, feed, key, queue, item
-
     async def _items(self, label: str, prompt: PromptHashes, params: SamplingParams,
                      choice: ResponseChoice | None = None):
         """The engine's items for one request (all its queued tokens in one, when the consumer lags); if
         the consumer stops early, the engine stops too. An item that ends the request with an error is
         raised as the ``APIError`` it maps to."""
         affinity = choice.first.replica if choice is not None and choice.first is not None else None
-        replica, feed, key, queue, item = await self._start(label, prompt, params, affinity)
+        replica, feed, key, queue, item = await self._feeds.start(label, prompt, params, affinity)
         if choice is not None:
             choice.replica = replica
         request_id = item["request_id"]   # the engine's own, unique id
@@ -210,7 +135,7 @@ class OpenAIServer:
                     break
                 item = await next_item(queue)
         except (RayActorError, SubscriptionLost):
-            self._lost(replica, feed)
+            self._feeds.lost(replica, feed)
             raise engine_restarted() from None
         except Exception as exc:  # noqa: BLE001
             raise error_from_engine(exc) from None
@@ -219,11 +144,14 @@ class OpenAIServer:
             feed.release(key, None if item["finished"] else request_id)
 
     # -- shared request handling -----------------------------------------------------------------
-    def _params(self, body: Body, max_tokens: int | None) -> SamplingParams:
-        """The engine's sampling parameters (stop strings and ``n`` stay here), checked here, at the edge."""
+    def _check_model(self, body) -> None:
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "invalid_request_error", param="model", code="model_not_found")
+
+    def _params(self, body: Body, max_tokens: int | None) -> SamplingParams:
+        """The engine's sampling parameters (stop strings and ``n`` stay here), checked here, at the edge."""
+        self._check_model(body)
         stop = list(body.stop_token_ids)
         if not body.ignore_eos:   # the tokenizer's EOS and the model's (generation_config), as transformers
             stop += [t for t in (self.tokenizer.eos_token_id, *self._eos_token_ids) if t is not None]
@@ -233,6 +161,8 @@ class OpenAIServer:
                      logit_bias={int(t): b for t, b in (body.logit_bias or {}).items() if t.isdigit()},
                      logprobs=((body.top_logprobs or 0) if body.logprobs else None) if isinstance(body, ChatBody)
                      else body.logprobs)
+        if getattr(body, "echo", False) and body.logprobs is not None:   # the echoed prompt's logprobs too
+            knobs["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
         try:
             return SamplingParams(**knobs, max_tokens=max_tokens, stop_token_ids=tuple(dict.fromkeys(stop)))
         except ValueError as exc:
@@ -244,17 +174,29 @@ class OpenAIServer:
             raise APIError(400, f"{field}: token ids must lie in [0, {self._vocab_size}), got {bad[:8]}",
                            param=field.split("[")[0])
 
-    def _check_length(self, num_tokens: int, field: str = "prompt", at_least: bool = False) -> None:
-        if num_tokens >= self.max_model_len:
-            raise APIError(400, f"{field}: the prompt has {'at least ' if at_least else ''}{num_tokens} tokens, "
-                           f"which leaves no room to generate within max_model_len={self.max_model_len}",
-                           param=field.split("[")[0], code="context_length_exceeded")
+    def _check_length(self, num_tokens: int, field: str = "prompt", at_least: bool = False,
+                      max_tokens: int | None = None, max_field: str = "max_tokens") -> None:
+        """Nothing is cut silently: a prompt that leaves no room (none needed with max_tokens 0), or a prompt
+        and ``max_tokens`` beyond the context, is refused with the figures. ``at_least``: ``num_tokens``
+        is a lower bound (counted before encoding), which is as good for refusing a prompt alone."""
+        limit, some = self.max_model_len, "at least " if at_least else ""
+        if num_tokens > limit or (num_tokens == limit and max_tokens != 0):
+            raise APIError(400, f"{field}: the prompt has {some}{num_tokens} tokens, which leaves no room to "
+                           f"generate within max_model_len={limit}", param=field.split("[")[0],
+                           code="context_length_exceeded")
+        if max_tokens and num_tokens + max_tokens > limit:
+            raise APIError(400, f"{max_field}: this model's maximum context length is {limit} tokens "
+                           f"(max_model_len); you requested {num_tokens + max_tokens} tokens ({num_tokens} in {field}, "
+                           f"{max_tokens} in {max_field}). {max_field} can be at most "
+                           f"{limit - num_tokens} for this prompt, or omitted (the rest of the context)",
+                           param=max_field, code="context_length_exceeded")
 
     def _check_text_length(self, num_chars: int, field: str = "prompt") -> None:
-        """Refuse text that cannot fit before spending any time encoding it."""
+        """Refuse text that cannot fit before spending any time encoding it (with ``max_tokens``, once its
+        exact length is known: the refusal gives the figures)."""
         per_token = self.tokenizer.max_chars_per_token
         if per_token:
-            self._check_length(-(-num_chars // per_token), field, at_least=True)
+            self._check_length(-(-num_chars // per_token), field, at_least=True, max_tokens=0)
 
     async def _tokenize(self, fn, arg, size: int) -> list[int]:
         """Tokenise off the event loop when the input is large, so other requests and /health go on."""
@@ -262,13 +204,16 @@ class OpenAIServer:
 
     def _choices(self, request_id: str, body: Body, prompts: list[list[int]], params: SamplingParams,
                  echoes: list[str]) -> list[ResponseChoice]:
-        """``n`` choices per prompt, indexed prompt-major; sibling ``j`` of a seeded request uses seed + j."""
+        """``n`` choices per prompt, indexed prompt-major; sibling ``j`` of a seeded request uses seed + j.
+        Only a prompt's first choice scores the prompt (prompt logprobs): its siblings share its scores."""
         n, stops = body.n, stop_strings(body)
         choices = []
         for p in range(len(prompts)):
             for j in range(n):
                 index = p * n + j
                 own = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+                if j and own.prompt_logprobs is not None:
+                    own = dataclasses.replace(own, prompt_logprobs=None)
                 engine_id = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 choices.append(ResponseChoice(index, p, engine_id, own, StreamDecoder(self.tokenizer, stops), echoes[p]))
                 if j:
@@ -276,10 +221,15 @@ class OpenAIServer:
         return choices
 
     async def _open(self, choice: ResponseChoice, prompt: PromptHashes):
-        """The choice's engine stream and its first item (errors before it are plain HTTP errors)."""
+        """The choice's engine stream and its first item (errors before it are plain HTTP errors); a scored
+        prompt's items before it only bring scores, which the choice takes here."""
         items = self._items(choice.engine_id, prompt, choice.params, choice)
         try:
-            return items, await anext(items)
+            while True:   # a scored prompt's chunks come before its first token: its scores are all here then
+                item = await anext(items)
+                choice.prompt_logprobs += item.get("prompt_logprobs") or []
+                if item["token_ids"] or item["finished"]:
+                    return items, item
         except BaseException:
             await items.aclose()
             raise
@@ -327,7 +277,7 @@ class OpenAIServer:
                             or isinstance(event[1], BaseException):
                         held = following
                         break
-                    event = _merged(event, following)
+                    event = merged_event(event, following)
                 if isinstance(event[1], BaseException):
                     raise error_from_engine(event[1])
                 remaining -= event[3] is not None
@@ -337,64 +287,75 @@ class OpenAIServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _logprobs(self, kind: str, entries: list) -> dict | None:
-        """OpenAI's logprobs object for (token, text offset, engine entry) entries."""
-        def token(t):
-            raw = self.tokenizer.token_bytes(t)
-            return raw.decode("utf-8", errors="replace"), list(raw)
-
+    def _logprobs(self, kind: str, body: Body, c: ResponseChoice, entries: list, prompt: list[int] | None) -> dict:
+        """OpenAI's logprobs object for a choice's (token, text offset, engine entry) entries; after its
+        echoed prompt's when ``prompt`` is given."""
         if kind == "chat":
-            content = []
-            for t, _, (lp, top_ids, top_lps) in entries:
-                text, raw = token(t)
-                content.append({"token": text, "logprob": max(lp, LOGPROB_FLOOR), "bytes": raw, "top_logprobs": [
-                    {"token": token(i)[0], "logprob": max(v, LOGPROB_FLOOR), "bytes": token(i)[1]}
-                    for i, v in zip(top_ids, top_lps)]})
-            return {"content": content, "refusal": None}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, offset, (lp, top_ids, top_lps) in entries:
-            top = {}
-            for i, v in zip(top_ids, top_lps):   # most likely first; a text two tokens share keeps the likelier
-                top.setdefault(token(i)[0], max(v, LOGPROB_FLOOR))
-            top.setdefault(token(t)[0], max(lp, LOGPROB_FLOOR))   # the sampled token is always listed
-            out["tokens"].append(token(t)[0])
-            out["token_logprobs"].append(max(lp, LOGPROB_FLOOR))
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(offset)
-        return out
+            return self.formatter.chat(entries)
+        if prompt is not None:
+            entries = self.formatter.echoed_prompt(prompt, self._scores(c, prompt)) + entries
+        return self.formatter.completion(entries, body.logprobs)
+
+    @staticmethod
+    def _scores(c: ResponseChoice, prompt: list[int]) -> list:
+        """The prompt's scores (positions 1 on), from the choice that computed them: its prompt's first."""
+        scored = (c.first or c).prompt_logprobs
+        if len(scored) != len(prompt) - 1:   # never expected: the engine fails a request it left unscored
+            raise APIError(500, f"the engine scored {len(scored)} of the prompt's {len(prompt) - 1} positions",
+                           "server_error")
+        return scored
+
+    @staticmethod
+    def _stop_reason(c: ResponseChoice, body: Body) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string matched, or the ``stop_token_ids`` entry that ended the
+        choice; None when it ended otherwise (EOS, length)."""
+        if c.decoder.stopped:
+            return c.decoder.matched
+        if c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in body.stop_token_ids:
+            return c.token_ids[-1]
+        return None
 
     async def _respond(self, kind: str, body: Body, prompts: list[list[int]], params: SamplingParams, request: Request,
-                       echoes: list[str] | None = None):
+                       echoes: list[str] | None = None, max_field: str = "max_tokens"):
         refuse_unsupported(body)
         if len(prompts) * body.n > MAX_CHOICES:
             raise APIError(400, f"n: {len(prompts)} prompts x n={body.n} choices exceed {MAX_CHOICES}", param="n")
         request_id = response_id(request, kind)
         await self._connect()  # learn the model's vocabulary before checking ids against it
         for p, ids in enumerate(prompts):
-            field = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-            self._check_length(len(ids), field)
+            field = "messages" if kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+            if not ids:
+                raise APIError(400, f"{field}: the prompt is empty", param="prompt")
+            self._check_length(len(ids), field, max_tokens=params.max_tokens, max_field=max_field)
             self._check_ids(ids, field)
         self._check_ids(list(params.stop_token_ids), "stop_token_ids")
         self._check_ids([t for t, _ in params.logit_bias], "logit_bias")
         choices = self._choices(request_id, body, prompts, params, echoes or [""] * len(prompts))
         events = await self._run(choices, [PromptHashes(ids) for ids in prompts])
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        wants_logprobs = params.logprobs is not None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self._sse_stream(kind, head, choices, prompts, events, wants_logprobs, include_usage))
+            return EventStream(self._sse_stream(kind, head, body, choices, prompts, events))
         async for _ in events:
             pass
-        out = []
+        echo = getattr(body, "echo", False) and params.logprobs is not None
+        out, scored = [], None
         for c in choices:
-            logprobs = self._logprobs(kind, c.logprobs) if wants_logprobs else None
+            logprobs = None if params.logprobs is None else \
+                self._logprobs(kind, body, c, c.logprobs, prompts[c.prompt] if echo else None)
             if kind == "chat":
                 choice = {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs}
             else:
                 choice = {"index": c.index, "text": c.text, "logprobs": logprobs}
-            out.append({**choice, "token_ids": c.token_ids, "finish_reason": c.finish_reason})
+            if body.prompt_logprobs is not None:
+                scored = self.formatter.prompt_logprobs(prompts[c.prompt], self._scores(c, prompts[c.prompt]),
+                                                        body.prompt_logprobs)
+                if kind != "chat":
+                    choice["prompt_logprobs"] = scored
+            out.append({**choice, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                        "stop_reason": self._stop_reason(c, body)})
         head["object"] = "chat.completion" if kind == "chat" else "text_completion"
-        return {**head, "choices": out, "usage": self._total_usage(choices, prompts)}
+        extra = {"prompt_logprobs": scored} if kind == "chat" and scored is not None else {}
+        return {**head, "choices": out, "usage": self._total_usage(choices, prompts), **extra}
 
     @staticmethod
     def _total_usage(choices: list[ResponseChoice], prompts: list[list[int]]) -> dict:
@@ -403,26 +364,38 @@ class OpenAIServer:
         return usage(sum(map(len, prompts)), sum(len(c.token_ids) for c in choices),
                       sum(c.num_cached_tokens for c in choices if c.index % n == 0))
 
-    async def _sse_stream(self, kind: str, head: dict, choices: list[ResponseChoice], prompts, events,
-                          wants_logprobs: bool, include_usage: bool):
+    async def _sse_stream(self, kind: str, head: dict, body: Body, choices: list[ResponseChoice], prompts, events):
+        """The events as SSE chunks; ``stream_options``: ``include_usage`` adds a last chunk with the request's
+        usage, ``continuous_usage_stats`` (vLLM's) puts in every chunk its choice's usage so far."""
         head = {**head, "object": "chat.completion.chunk" if kind == "chat" else "text_completion"}
+        options = body.stream_options
+        include_usage, continuous = bool(options and options.include_usage), bool(options and options.continuous_usage_stats)
+        echo, wants_logprobs = getattr(body, "echo", False), choices[0].params.logprobs is not None
+        produced = [0] * len(choices)   # tokens each choice has streamed
+
+        def so_far(c: ResponseChoice, cached: int = 0) -> dict:
+            return {"usage": usage(len(prompts[c.prompt]), produced[c.index], cached)} if continuous else {}
+
         if kind == "chat":
             for c in choices:
                 yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
+                                                 "logprobs": None, "finish_reason": None}], **so_far(c)})
         echoed = set()
         try:
             async for c, delta, item, finish_reason, added in events:
-                logprobs = self._logprobs(kind, added) if wants_logprobs else None
+                produced[c.index] += len(item["token_ids"])
+                prompt = None
+                if echo and c.index not in echoed:   # the prompt first (and its logprobs), once
+                    delta, prompt = c.echo + delta, prompts[c.prompt]
+                    echoed.add(c.index)
+                logprobs = self._logprobs(kind, body, c, added, prompt) if wants_logprobs else None
                 if kind == "chat":
                     choice = {"index": c.index, "delta": {"content": delta}, "logprobs": logprobs}
                 else:
-                    if c.echo and c.index not in echoed:
-                        delta = c.echo + delta
-                        echoed.add(c.index)
                     choice = {"index": c.index, "text": delta, "logprobs": logprobs}
-                choice.update(token_ids=item["token_ids"], finish_reason=finish_reason)
-                yield sse({**head, "choices": [choice]})
+                choice.update(token_ids=item["token_ids"], finish_reason=finish_reason,
+                              stop_reason=self._stop_reason(c, body) if finish_reason else None)
+                yield sse({**head, "choices": [choice], **so_far(c, item.get("num_cached_tokens", 0))})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": self._total_usage(choices, prompts)})
         except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel in the stream
@@ -458,12 +431,42 @@ class OpenAIServer:
         body = await parse_body(request, ChatBody, self.max_body_bytes)
         await self._connect()
         params = self._params(body, body.max_completion_tokens or body.max_tokens)
+        max_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in body.messages]
         size = sum(len(m["content"]) for m in messages)
-        self._check_text_length(size)
+        self._check_text_length(size, "messages")
         prompt = await self._tokenize(self.tokenizer.chat_prompt, messages, size)
-        return await self._respond("chat", body, [prompt], params, request)
+        return await self._respond("chat", body, [prompt], params, request, max_field=max_field)
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's: a prompt's token ids as the completions route encodes it, or chat messages' as the chat
+        route does (its template applied), with ``count`` and ``max_model_len`` to check a fit before sending."""
+        body = await parse_tokenize_body(request, self.max_body_bytes)
+        self._check_model(body)
+        if isinstance(body, TokenizeChatBody):
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in body.messages]
+            size = sum(len(m["content"]) for m in messages)
+            ids = await self._tokenize(lambda ms: self.tokenizer.chat_prompt(ms, body.add_generation_prompt),
+                                       messages, size)
+        else:
+            ids = await self._tokenize(lambda p: self.tokenizer.encode(p, body.add_special_tokens), body.prompt,
+                                       len(body.prompt))
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": self.tokenizer.pieces(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's: the text of token ids, as a completion's text decodes them (special tokens skipped)."""
+        body = await parse_body(request, DetokenizeBody, self.max_body_bytes)
+        self._check_model(body)
+        bad = [t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size]   # the tokenizer's: no engine needed
+        if bad:
+            raise APIError(400, f"tokens: token ids must lie in [0, {self.tokenizer.vocab_size}), got {bad[:8]}",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "swakv",

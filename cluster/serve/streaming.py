@@ -30,6 +30,12 @@ class EventStream(StreamingResponse):
         await self.stream_response(send)
 
 
+def merged_event(a: tuple, b: tuple) -> tuple:
+    """Two consecutive events of one choice as one: (choice, text delta, item, finish reason, logprobs)."""
+    item = {**b[2], "token_ids": a[2]["token_ids"] + b[2]["token_ids"]}
+    return a[0], a[1] + b[1], item, b[3], a[4] + b[4]
+
+
 def usage(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -46,6 +52,8 @@ class ResponseChoice:
         self.replica = None                     # the engine replica serving it, once routed
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, int, tuple]] = []   # (token, text offset, engine entry)
+        self.prompt_logprobs: list[tuple] = []   # engine entries of prompt positions 1.. (if it scores its prompt;
+                                                 # all arrive by its first token: the server's ``_open`` takes them)
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
 

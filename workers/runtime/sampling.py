@@ -244,7 +244,9 @@ class Sampler:
         else:
             stack, index = raw, [i for _, i in picks]
         chosen_rows = stack[self._long(index)]
-        results = {"prompt_chosen": chosen_rows.gather(1, self._long(targets)[:, None])[:, 0]}
+        chosen = chosen_rows.gather(1, self._long(targets)[:, None])
+        # rank: 1 + how many tokens are likelier (vLLM's prompt_logprobs report it for the prompt's token)
+        results = {"prompt_chosen": chosen[:, 0], "prompt_rank": (chosen_rows > chosen).sum(dim=-1) + 1}
         k = max(a[3] for a in asks)
         if k:
             results["prompt_top_values"], results["prompt_top_ids"] = chosen_rows.topk(k, dim=-1)
@@ -360,20 +362,21 @@ class Sampled:
     def ready(self) -> bool:
         return self._event is None or self._event.query()
 
-    def prompt_result(self) -> dict[str, tuple[int, list[float], list[list[int]], list[list[float]]]]:
-        """Per request scored: (first prompt position, logprobs, top ids, top logprobs) (``StepOutput``)."""
+    def prompt_result(self) -> dict[str, tuple[int, list[float], list[list[int]], list[list[float]], list[int]]]:
+        """Per request scored: (first prompt position, logprobs, top ids, top logprobs, ranks) (``StepOutput``)."""
         if not self._prompt_asks:
             return {}
         if self._event is not None:
             self._event.synchronize()
         r = self._results
-        chosen = r["prompt_chosen"].tolist()
+        chosen, ranks = r["prompt_chosen"].tolist(), r["prompt_rank"].tolist()
         top_ids = r["prompt_top_ids"].tolist() if "prompt_top_ids" in r else [[] for _ in chosen]
         top_values = r["prompt_top_values"].tolist() if "prompt_top_values" in r else [[] for _ in chosen]
         out, at = {}, 0
         for rid, start, number, k in self._prompt_asks:
             rows = range(at, at + number)
-            out[rid] = (start, chosen[at:at + number], [top_ids[i][:k] for i in rows], [top_values[i][:k] for i in rows])
+            out[rid] = (start, chosen[at:at + number], [top_ids[i][:k] for i in rows], [top_values[i][:k] for i in rows],
+                        ranks[at:at + number])
             at += number
         return out
 

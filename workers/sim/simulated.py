@@ -140,7 +140,7 @@ class SimulatedWorker:
                 top = min(k, self.vocab_size)
                 prompt_logprobs[c.request_id] = (first, [uniform] * len(tokens),
                                                  [[(t + j) % self.vocab_size for j in range(top)] for t in tokens],
-                                                 [[uniform] * top for _ in tokens])
+                                                 [[uniform] * top for _ in tokens], [1] * len(tokens))
         seconds = 0.0
         if self.cost_model is not None and step.chunks:
             cost = self.cost_model.step([(c.start_pos, len(c.token_ids)) for c in step.chunks])
