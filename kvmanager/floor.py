@@ -1,0 +1,112 @@
+"""The floor under the retention policy: a shadow of plain LRU, and the credit that decides whose order the
+free queue follows.
+
+The tiers (``free_queue``) guess where hits will land; plain LRU (vLLM 0.33 dense: every freed cached block
+waits in release order) is what an operator expects at least. ``Floor`` replays LRU on the same trace, from
+the hashes alone: which ``(group, hash)`` a pool of the same size would still hold had it evicted in LRU
+order (``shadow``). Every lookup is also run against it, so at each admission the manager knows the hit it
+granted, ``h``, and the one LRU would have granted, ``h_lru``. Then
+
+    credit <- min(cap, credit + h - h_lru + SLACK * prompt tokens)        (credit starts at 0)
+
+and the free queue follows the tiers while ``credit >= 0``, the shadow's LRU order otherwise (where the real
+free blocks converge to the shadow's). Unrolled, ``sum(h) - sum(h_lru) >= credit - SLACK * sum(prompt)``
+over any run of admissions that starts at credit 0, so swakv's hits never fall more than SLACK of the prompt
+tokens below LRU's, plus the overshoot (the lag after a switch, while the tiers' past evictions still cost
+hits LRU would have had); over any later stretch, at most ``cap`` (a pool's worth of tokens) more: a past
+surplus can be spent once, not forever. In LRU order the credit grows by SLACK per prompt token, so the
+tiers get another try; each try costs at most what it lost before the credit went negative again.
+
+O(1) per block: one ordered-dict operation per block freed, taken or revived; the shadow holds at most one
+entry per free pool unit. A lookup runs the hit search a second time against the shadow, only once either
+pool has evicted a cached block (before that both hold everything).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose to LRU before it takes over
+
+
+class Floor:
+    __slots__ = ("shadow", "units", "ignore", "on_leave", "credit", "cap", "slack", "follow_lru", "evicted", "admissions",
+                 "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest")
+
+    def __init__(self, cap: int = 0, slack: float = SLACK):
+        self.shadow: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # free cached block -> its units
+        self.units = 0              # units the shadow's blocks take
+        self.ignore: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # frees LRU would not see
+        self.on_leave = None        # told each key the shadow evicts
+        self.cap = cap
+        self.slack = slack
+        self.credit = 0.0
+        self.follow_lru = False
+        self.evicted = False        # either pool evicted a cached block (else both hold every hash)
+        self.admissions = self.lru_admissions = self.switches = 0
+        self.hits = self.lru_hits = self.prompt_tokens = 0
+        self.lowest = 0.0
+
+    # -- the shadow: what plain LRU would hold ---------------------------------------------------
+    def freed(self, key: tuple[int, bytes], units: int) -> bool:
+        """A cached block no one holds any more joins the back; False if LRU's pool never held it."""
+        if self.ignore and self.ignore.pop(key, 0) is None:
+            return False
+        shadow = self.shadow
+        if key in shadow:           # a second copy of content already free
+            shadow.move_to_end(key)
+        else:
+            shadow[key] = units
+            self.units += units
+        return True
+
+    def taken(self, key: tuple[int, bytes]) -> None:
+        """A hit took the block back: LRU's pool holds it (a free copy in the real pool is redundant)."""
+        units = self.shadow.pop(key, 0)
+        if units:
+            self.units -= units
+            self.on_leave(key)
+
+    def skip(self, key: tuple[int, bytes], cap: int) -> None:
+        """The real pool will compute and free this block, LRU's would not (its hit was longer)."""
+        ignore = self.ignore
+        ignore[key] = None
+        if len(ignore) > cap:
+            ignore.popitem(last=False)
+
+    def trim(self, capacity: int) -> None:
+        """Both pools hold the same blocks for running requests, so LRU's free cached blocks fit in the
+        units the real pool's free cached blocks take: the front goes until they do."""
+        shadow = self.shadow
+        while self.units > capacity:
+            key, units = shadow.popitem(last=False)
+            self.units -= units
+            self.evicted = True
+            self.on_leave(key)
+
+    def reset(self) -> None:
+        self.shadow.clear()
+        self.ignore.clear()
+        self.units = 0
+        self.evicted = False
+
+    # -- the credit ------------------------------------------------------------------------------
+    def admitted(self, hit: int, lru_hit: int, prompt_tokens: int) -> None:
+        """An admission: the hit granted, LRU's, the tokens looked up. Decides whose order comes next."""
+        self.admissions += 1
+        self.lru_admissions += self.follow_lru
+        self.hits += hit
+        self.lru_hits += lru_hit
+        self.prompt_tokens += prompt_tokens
+        credit = min(self.cap, self.credit + hit - lru_hit + self.slack * prompt_tokens)
+        self.credit = credit
+        if credit < self.lowest:
+            self.lowest = credit
+        follow = credit < 0
+        if follow != self.follow_lru:
+            self.follow_lru = follow
+            self.switches += 1
+
+    def report(self) -> dict:
+        return {"admissions": self.admissions, "lru_share": self.lru_admissions / max(1, self.admissions),
+                "switches": self.switches, "hits": self.hits, "lru_hits": self.lru_hits,
+                "prompt_tokens": self.prompt_tokens, "credit": round(self.credit), "lowest": round(self.lowest)}
