@@ -6,9 +6,10 @@ Each run draws ``--draws`` settings (a fresh seed per run unless ``--seed`` repl
 {256, 512, 2048}, block 16, and the workloads' own seed. For each draw, each workload family
 (``retention_workloads``: chat, siblings, agent, edit, zipf, phase, rag) and each layout (full, sliding,
 hybrid with the drawn window; gemma3: gemma-3-27b's real layout, W 1024), it serves the trace through
-every system at four pool sizes: the tightest that runs (the largest single request's peak need), the
-size that never evicts (every block the unbounded run ever filled: the ceiling), and two between them
-(geometric steps).
+every system at four pool sizes: the tightest that runs (the largest single request's peak need, or
+``concurrency`` requests of mean peak need at once if more: below that the loop mostly preempts and
+every system's hits fall to zero together), the size that never evicts (every block the unbounded run
+ever filled: the ceiling), and two between them (geometric steps).
 
 Pool size "per group": ``N`` blocks per group is one pool of ``N x G`` allocatable blocks plus the null
 block, ``G`` the layout's number of groups, for every system; a block holds one group's layers for 16
@@ -30,8 +31,9 @@ Columns: the ceiling (a simulated pool that never evicts, ``retention_sim``), vL
 ``prefix_cache_retention_interval=0``, ``shared_prefix_boundary`` set after each lookup as its scheduler
 does), swakv, swakv / the better vLLM, and, on single-group layouts, the clairvoyant policy
 (``retention_sim.Belady``: evicts the block whose next use is furthest, the needs of a sliding hit being
-the window below its end). Then the losing cells, the issue's counts, and the gap to the clairvoyant
-policy per family. Without vLLM (run with the main interpreter) the vLLM columns are replaced by the
+the window below its end), and swakv's floor: the share of admissions at which its free queue followed
+plain LRU (``kvmanager/floor.py``). Then the losing cells, the issue's counts, and the gap to the
+clairvoyant policy per family. Without vLLM (run with the main interpreter) the vLLM columns are replaced by the
 simulated LRU (``sim:lru``: vLLM dense's order), and the table says so.
 
     PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --jsonl out.jsonl    # a fresh draw
@@ -549,6 +551,12 @@ def report(rows: list[dict]) -> dict:
         print(f"cells that did not run: {len(errors)}")
         for x in errors:
             print("  " + x)
+    if "sim:lru" in systems and "vllm-dense" in systems:
+        pairs = [(by[k[:4] + ("sim:lru",)], by[k[:4] + ("vllm-dense",)]) for k in by if k[4] == "vllm-dense"
+                 and k[:4] + ("sim:lru",) in by]
+        same = sum(a.get("hit_tokens") == b.get("hit_tokens") for a, b in pairs)
+        print(f"\nsimulated LRU (retention_sim.Lru) equals vLLM dense, hit token for hit token, in {same} of "
+              f"{len(pairs)} cells")
     if gaps:
         print("\ngap to the clairvoyant policy (single-group layouts; hit-rate points, mean / max over cells): "
               f"swakv, the better of {bl}")

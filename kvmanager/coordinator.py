@@ -78,7 +78,8 @@ class GroupCoordinator:
         pool.free.floor.cap = (pool.num_blocks - 1) // sum(pool.widths) * self._block_sizes[0]
         self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
         n = len(specs)    # what a step that changes nothing returns: fresh empty lists, built without a loop
-        self.nothing = (lambda: ([],)) if n == 1 else (lambda: ([], [])) if n == 2 else (lambda: tuple([] for _ in range(n)))
+        self.nothing = ((lambda: ([],)) if n == 1 else (lambda: ([], [])) if n == 2
+                        else (lambda: tuple([] for _ in range(n))))
         # Per running request: itself, below which (slots, cacheable, computed) a step changes nothing, and
         # the same per group.
         self.quiet: dict[str, tuple] = {}
@@ -133,7 +134,9 @@ class GroupCoordinator:
         if has_hit or any(new):
             need = 0                                   # in pool units: a block of a width-k group is k
             for g, blocks, n in zip(groups, hit, new):
-                need += (n + sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)) * g.width
+                if blocks:                             # hit blocks waiting in the free queue are taken too
+                    n += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+                need += n * g.width
             if need > self.pool.num_free_blocks:       # short unless the drop frees enough
                 need -= sum(g.num_freed_by_drop(rid, num_computed) * g.width for g in self._dropping)
                 if need > self.pool.num_free_blocks:

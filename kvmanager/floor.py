@@ -2,24 +2,33 @@
 free queue follows.
 
 The tiers (``free_queue``) guess where hits will land; plain LRU (vLLM 0.33 dense: every freed cached block
-waits in release order) is what an operator expects at least. ``Floor`` replays LRU on the same trace, from
-the hashes alone: which ``(group, hash)`` a pool of the same size would still hold had it evicted in LRU
-order (``shadow``). Every lookup is also run against it, so at each admission the manager knows the hit it
-granted, ``h``, and the one LRU would have granted, ``h_lru``. Then
+waits in release order) is what an operator expects at least. ``Floor`` replays LRU from the hashes alone:
+``shadow`` holds the ``(group, hash)`` a pool of the same size would still hold free had it evicted in LRU
+order. Both pools hold the same blocks for running requests, so LRU's free cached blocks fit in the units
+the real pool's free cached blocks take (``trim``). Every lookup is also run against the shadow and those
+held blocks, so at each admission ``i`` the manager knows the hit it granted, ``h_i``, and the one LRU would
+have granted, ``l_i`` (with ``P_i`` tokens looked up). Then
 
-    credit <- min(cap, credit + h - h_lru + SLACK * prompt tokens)        (credit starts at 0)
+    credit_i = min(cap, credit_{i-1} + h_i - l_i + SLACK * P_i),   credit_0 = 0
 
-and the free queue follows the tiers while ``credit >= 0``, the shadow's LRU order otherwise (where the real
-free blocks converge to the shadow's). Unrolled, ``sum(h) - sum(h_lru) >= credit - SLACK * sum(prompt)``
-over any run of admissions that starts at credit 0, so swakv's hits never fall more than SLACK of the prompt
-tokens below LRU's, plus the overshoot (the lag after a switch, while the tiers' past evictions still cost
-hits LRU would have had); over any later stretch, at most ``cap`` (a pool's worth of tokens) more: a past
-surplus can be spent once, not forever. In LRU order the credit grows by SLACK per prompt token, so the
-tiers get another try; each try costs at most what it lost before the credit went negative again.
+and the free queue follows the tiers while ``credit >= 0``, LRU's order otherwise (``free_queue``: content
+LRU does not hold goes first, so the real free blocks become LRU's at once).
 
-O(1) per block: one ordered-dict operation per block freed, taken or revived; the shadow holds at most one
-entry per free pool unit. A lookup runs the hit search a second time against the shadow, only once either
-pool has evicted a cached block (before that both hold everything).
+**The bound.** ``min(cap, .)`` only lowers the credit, so summing gives, after any ``n`` admissions,
+
+    sum h_i >= sum l_i - SLACK * sum P_i - overshoot_n,      overshoot_n = max(0, -credit_n)
+
+and over any stretch of admissions ``sum h_i >= sum l_i - SLACK * sum P_i - cap - overshoot``: a past
+surplus (at most ``cap``, a pool's worth of tokens) is spent once, not forever. The credit only falls below
+zero at the admission that crosses it (at most that admission's loss, its prompt at worst) and while the
+real pool still lacks what the tiers evicted before the switch and LRU kept: that content leaves the shadow
+within one turnover of the free pool. Below zero the credit grows by SLACK per prompt token (the real pool
+then hits as LRU does), so the tiers get another try; each try can cost at most one such overshoot. The
+comparison is with LRU on the same admissions (same order, same running requests), not with another run.
+
+O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
+evicts; the shadow holds at most one entry per free pool unit. A lookup runs the hit search a second time,
+against the shadow, once either pool has evicted a cached block (before that both hold everything).
 """
 from __future__ import annotations
 
@@ -29,14 +38,14 @@ SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose 
 
 
 class Floor:
-    __slots__ = ("shadow", "units", "ignore", "on_leave", "credit", "cap", "slack", "follow_lru", "evicted", "admissions",
-                 "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest")
+    __slots__ = ("shadow", "units", "ignore", "on_leave", "credit", "cap", "slack", "follow_lru", "evicted",
+                 "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest")
 
     def __init__(self, cap: int = 0, slack: float = SLACK):
         self.shadow: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # free cached block -> its units
         self.units = 0              # units the shadow's blocks take
         self.ignore: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # frees LRU would not see
-        self.on_leave = None        # told each key the shadow evicts
+        self.on_leave = lambda key: None   # told each key that leaves the shadow
         self.cap = cap
         self.slack = slack
         self.credit = 0.0

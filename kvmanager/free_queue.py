@@ -35,6 +35,15 @@ of every parent hash is remembered, and a lookup follows the remembered chain pa
 request's chain leaves it, that parent is a fork. Every memory (children, forks, ghosts) is bounded by
 twice the pool's size.
 
+**The floor** (``floor``): these tiers are guesses, and plain LRU is what an operator expects at least.
+Every free entry holding a hash also waits in plain LRU order (vLLM 0.33 dense's), in one of two bins:
+content the floor's shadow of plain LRU also holds, and content it does not. While the floor's credit is
+negative (the tiers' hits fell more than its slack below LRU's on the same trace) a new block comes from
+the empty tier, then the content LRU does not hold, then LRU's own order: the free blocks become LRU's at
+once, rather than after a pool's turnover of recomputed blocks pushing out what LRU kept. An admission
+that got less than LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess
+such a hit proves wrong.
+
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
 and free composites per kind. For a block of kind ``g``, the bins are visited in eviction order: in the
@@ -52,11 +61,8 @@ from .floor import Floor
 
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 
-# How far below a prompt's end a later prompt's fork is plausible: a question or user message. Without it a
-# document's end window, dropped while its first question was computed, waited as unreachable and went
-# before finished chains' blocks: in bench/router_sim.py's qa (questions of 32-96 tokens) the prefix
-# router found 78.0% of prompt tokens cached, with it 83.1% (the same with 128 or 1,024); chat and the
-# retention grid did not move.
+# How far below a prompt's end a later prompt's fork is plausible: a question or user message (docs/design.md,
+# Retention, tier 2, has the measurement that chose it).
 LAST_MESSAGE_TOKENS = 256
 
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first

@@ -155,9 +155,13 @@ class KVCacheManager:
                 and num_new_tokens >= 0 and num_lookahead_tokens >= 0):
             num_computed = request.num_computed_tokens
             num_tokens = num_computed + num_new_tokens
-            if (num_tokens + num_lookahead_tokens <= quiet[1] and num_tokens < quiet[2] and num_computed < quiet[3]
-                    and num_tokens <= self.max_model_len):
-                return self._nothing()
+            limit = self.max_model_len
+            if num_tokens <= limit:            # a running request, checked: straight to the coordinator
+                num_slots = num_tokens + num_lookahead_tokens
+                if num_slots <= quiet[1] and num_tokens < quiet[2] and num_computed < quiet[3]:
+                    return self._nothing()
+                return self.coordinator.allocate(request, num_computed, num_slots if num_slots < limit else limit,
+                                                 num_tokens, self._no_hit)
         if type(request) is not Request or request.finished:  # noqa: E721 (the per-step path, checked cheaply)
             self._check_request(request)
         rid = request.request_id
