@@ -108,13 +108,23 @@ def test_the_credit_follows_lru_below_zero_gains_slack_per_prompt_token_and_is_c
     f = Floor(cap=1000)
     f.admitted(100, 100, 1000)            # equal hits: + 0.002 * 1000
     assert (f.credit, f.follow_lru) == (2.0, False)
-    f.admitted(0, 50, 1000)               # 2 - 50 + 2
+    f.admitted(0, 50, 1000)               # 2 - 50 + 2: below zero, LRU's order
     assert (f.credit, f.follow_lru, f.switches) == (-46.0, True, 1)
-    for _ in range(23):                   # 23 x 2 more: back to 0, the tiers again
-        f.admitted(10, 10, 1000)
-    assert (f.credit, f.follow_lru, f.switches) == (0.0, False, 2)
+    for _ in range(23):                   # LRU serves more than the tiers did (60 a turn against 50):
+        f.admitted(60, 60, 1000)          # only the slack brings the credit back, 23 x 2
+    assert (f.credit, f.follow_lru, f.switches, f.forgiven) == (0.0, False, 2, 0)
     f.admitted(5000, 0, 1000)             # a large win is kept only up to the cap
     assert f.credit == 1000
+
+
+def test_below_zero_the_tiers_get_another_try_once_lru_served_less_than_they_did_in_as_many_admissions():
+    f = Floor(cap=1000)
+    f.admitted(100, 100, 1000)
+    f.admitted(0, 50, 1000)               # the tiers' stretch: 2 admissions, 100 hit tokens; credit -46
+    f.admitted(10, 10, 1000)              # LRU: 1 admission, 10 tokens (-44): not yet as many admissions
+    assert (f.follow_lru, f.credit) == (True, -44.0)
+    f.admitted(10, 10, 1000)              # 2 admissions, 20 tokens < 100: the -42 is written off
+    assert (f.follow_lru, f.credit, f.forgiven, f.switches) == (False, 0.0, 42.0, 2)
 
 
 def test_the_shadow_keeps_what_fits_in_the_real_pools_free_cached_units_evicting_its_oldest():
