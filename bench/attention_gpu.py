@@ -1,7 +1,7 @@
 """Sliding-window attention on one GPU, side by side: swakv's Triton kernel against the dense ideals.
 
 Decode (one query per sequence, window W over a context of L tokens), for B sequences:
-  triton        workers.triton_attention on a paged cache (block 16); the table's dropped entries are the
+  triton        workers.attention.triton_paged on a paged cache (block 16); the table's dropped entries are the
                 null block, filled with NaN, as swakv's manager leaves them; the pool holds the window
   triton_graph  the same, replayed from a CUDA graph (no Python launch overhead)
   sdpa_slice    SDPA over a contiguous view of the last W tokens: the dense ideal, O(W)
@@ -150,7 +150,7 @@ def attempt(fn):
 def decode_row(batch, context, args, shapes, env):
     import torch
     import torch.nn.functional as F
-    from workers.triton_attention import triton_paged_attention
+    from workers.attention.triton_paged import triton_paged_attention
 
     dev, dt, timer = env["device"], env["dtype"], env["timer"]
     hq, hkv, d, w = shapes.num_heads, shapes.num_kv_heads, shapes.head_size, args.window
@@ -218,7 +218,7 @@ def flex_decode(q, k, v, start, ref, env):
 def prefill_row(prompt, args, shapes, env):
     import torch
     import torch.nn.functional as F
-    from workers.triton_attention import triton_paged_attention
+    from workers.attention.triton_paged import triton_paged_attention
 
     dev, dt, timer = env["device"], env["dtype"], env["timer"]
     hq, hkv, d, w, bs = shapes.num_heads, shapes.num_kv_heads, shapes.head_size, args.window, shapes.block_size

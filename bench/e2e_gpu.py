@@ -7,7 +7,7 @@ random tokens, M new tokens each, all submitted at once, no EOS (every request m
 Rows (JSON lines in --out, a table at the end):
   hf_generate_batch   transformers' continuous batching (paged), timed as one call; TTFT from its timestamps
   hf_generate         transformers' padded ``generate`` on the same prompts (equal lengths: no padding)
-  swakv               the engine (``cluster.llm.build_engine``, no Ray) in four configurations: one step at a
+  swakv               the engine (``cluster.engine.build.build_engine``, no Ray) in four configurations: one step at a
                       time or overlapped (``async``), eager or CUDA-graph decode (``graphs``); then the
                       fastest at the other concurrencies and on prompts sharing a prefix (``--shared-prefix``)
 Per row: output tok/s (output tokens / wall time from submission to the last token), TTFT (mean, p50,
@@ -175,7 +175,7 @@ def run_hf_generate_batch(model, prompts, max_new, device) -> tuple[dict, list[l
 
 # -- swakv ----------------------------------------------------------------------------------------------
 def swakv_engine(model, args, n, max_len, async_scheduling, cuda_graphs, device):
-    from cluster.llm import build_engine
+    from cluster.engine.build import build_engine
     kv = int(args.kv_gib * (1 << 30)) if device.type == "cuda" else 64 << 20
     engine, info = build_engine(model, block_size=16, kv_cache_memory=kv, max_model_len=max_len,
                                 max_num_batched_tokens=args.budget, max_num_seqs=max(n, 1),
@@ -187,7 +187,7 @@ def swakv_engine(model, args, n, max_len, async_scheduling, cuda_graphs, device)
 
 def generate(engine, prompts, max_new, device, label="q"):
     """Submit every prompt at once, step until done; tokens per prompt and per-step measurements."""
-    from cluster.scheduler import SamplingParams
+    from cluster.engine.types import SamplingParams
     m = engine.metrics
     sync(device)
     t0 = time.perf_counter()

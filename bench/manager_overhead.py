@@ -12,15 +12,15 @@ layout too (``split``: 26 + 5 groups of one unit). vLLM: the groups its hybrid a
 Also a cold prefix lookup of a 131072-token prompt (nothing cached), and, per swakv layout, the block
 ids its deltas carry per step: table entries and the units of new composites.
 
-vLLM 0.33 runs in the same process when importable (its own virtual environment, see
-shared/anchors/vllm_baseline.md; run this file with that interpreter: kvmanager needs only the
+vLLM 0.33 runs in the same process when importable (a virtual environment of its own, VLLM_VENV
+below, with vLLM 0.33 installed; run this file with that interpreter: kvmanager needs only the
 standard library). Engines alternate over ``--rounds`` rounds; each figure is the best round.
 ``--baseline DIR`` also times the kvmanager of another checkout (e.g. main, to check a change for
 regressions) in the same process, alternating with this one, and prints the best and median ratios.
 
     python bench/manager_overhead.py            # swakv alone
-    /tmp/vllm-venv/bin/python bench/manager_overhead.py --json out.json
-    git worktree add /tmp/main main && python bench/manager_overhead.py --no-vllm --baseline /tmp/main --rounds 9
+    $VLLM_VENV/bin/python bench/manager_overhead.py --json out.json
+    git worktree add ../main main && python bench/manager_overhead.py --no-vllm --baseline ../main --rounds 9
 """
 from __future__ import annotations
 

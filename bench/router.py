@@ -25,12 +25,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.kv_events import EventPublisher  # noqa: E402
-from cluster.router import PrefixAware, PromptHashes, RayPrefixTree, Replica, split_hashes  # noqa: E402
+from cluster.engine.kv_events import EventPublisher  # noqa: E402
+from cluster.routing.policies import PrefixAware, RayPrefixTree, Replica  # noqa: E402
+from cluster.routing.prompt import PromptHashes  # noqa: E402
 from kvmanager import KVCacheManager, Request  # noqa: E402
 from kvmanager.coordinator import HitRule  # noqa: E402
+from kvmanager.hashing import split_hashes  # noqa: E402
 from kvmanager.planning import kv_layout  # noqa: E402
-from workers.presets import load_model  # noqa: E402
+from workers.sim.presets import get_model_preset  # noqa: E402
 
 TOKENS = 32768
 REPEAT = 200
@@ -43,7 +45,7 @@ def us(samples: list[float]) -> str:
 
 def main() -> int:
     rng = random.Random(0)
-    layout = kv_layout(load_model("gemma-3-27b").layer_specs(16), 1, 1)
+    layout = kv_layout(get_model_preset("gemma-3-27b").layer_specs(16), 1, 1)
     specs = layout.group_specs
     shared = [rng.randrange(1, 262000) for _ in range(TOKENS // 2)]
     cached_prompts, replicas = [], []

@@ -30,12 +30,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cluster.kv_events import EventPublisher  # noqa: E402
-from cluster.llm import build_engine  # noqa: E402
-from cluster.loadgen import WORKLOADS, percentile, request_seed  # noqa: E402
-from cluster.loadtest import ROUTER_WORKLOADS  # noqa: E402
-from cluster.router import ROUTERS, PromptHashes, Replica, make_router  # noqa: E402
-from cluster.scheduler import SamplingParams  # noqa: E402
+from cluster.engine.kv_events import EventPublisher  # noqa: E402
+from cluster.engine.build import build_engine  # noqa: E402
+from cluster.loadtest.client import percentile, request_seed  # noqa: E402
+from cluster.loadtest.workloads import WORKLOADS  # noqa: E402
+from cluster.loadtest.config import ROUTER_WORKLOADS  # noqa: E402
+from cluster.routing.policies import ROUTERS, Replica, make_router  # noqa: E402
+from cluster.routing.prompt import PromptHashes  # noqa: E402
+from cluster.engine.types import SamplingParams  # noqa: E402
 from kvmanager.coordinator import HitRule  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import time
 import torch
 
 from workers.protocol import RequestStart, SamplingSpec, ScheduledChunk
-from workers.sampling import Sampler, draw_seed
+from workers.runtime.sampling import Sampler, draw_seed
 
 
 def per_row(logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[int]:

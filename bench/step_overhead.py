@@ -42,13 +42,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from cluster.engine import Engine, EngineConfig  # noqa: E402
-from cluster.llm import build_engine  # noqa: E402
-from cluster.scheduler import SamplingParams  # noqa: E402
+from cluster.engine.engine import Engine, EngineConfig  # noqa: E402
+from cluster.engine.build import build_engine  # noqa: E402
+from cluster.engine.types import SamplingParams  # noqa: E402
 from kvmanager.planning import kv_layout  # noqa: E402
-from workers.cost_model import StepCostModel  # noqa: E402
-from workers.presets import load_model  # noqa: E402
-from workers.simulated import SimulatedWorker  # noqa: E402
+from workers.sim.cost_model import StepCostModel  # noqa: E402
+from workers.sim.presets import get_model_preset  # noqa: E402
+from workers.sim.simulated import SimulatedWorker  # noqa: E402
 
 MODEL, GPU, BLOCK = "gemma-3-27b", "H100-80GB", 16
 PHASES = ("schedule", "encode", "apply", "decode", "execute")
@@ -65,7 +65,7 @@ class _Executor:
 def engine_for(layout_name: str, num_requests: int, prompt_len: int, steps: int):
     """``per_kind``: the product (build_engine). ``split``: the previous layout, 1 group per S layers."""
     max_len = prompt_len + steps + num_requests // 4 + 64    # early requests decode while later ones prefill
-    layout = kv_layout(load_model(MODEL).layer_specs(BLOCK))
+    layout = kv_layout(get_model_preset(MODEL).layer_specs(BLOCK))
     # Simulated workers allocate nothing: room for every request decoding, and 16 at their prefill peak
     # (8 prompts a step, each holding its whole prompt's window until its first decode step).
     num_blocks = num_requests * layout.blocks_per_request(max_len) + 16 * layout.blocks_per_request(max_len, prompt_len)
@@ -75,13 +75,13 @@ def engine_for(layout_name: str, num_requests: int, prompt_len: int, steps: int)
                                  **config)
         return engine
     specs = tuple(s for s, w in zip(layout.group_specs, layout.group_widths) for _ in range(w))
-    preset = load_model(MODEL)
+    preset = get_model_preset(MODEL)
     worker = SimulatedWorker(specs, num_blocks, vocab_size=preset.vocab_size, cost_model=StepCostModel(preset, GPU))
     return Engine(_Executor(worker), specs, num_blocks, EngineConfig(**config, vocab_size=preset.vocab_size))
 
 
 def run(layout_name: str, num_requests: int, prompt_len: int, steps: int, seed: int) -> dict:
-    from cluster.deltas import decode_step, encode_step   # msgpack: only this trace needs it
+    from workers.wire import decode_step, encode_step   # msgpack: only this trace needs it
     engine = engine_for(layout_name, num_requests, prompt_len, steps)
     rng = random.Random(seed)
     for i in range(num_requests):
@@ -129,7 +129,7 @@ def run(layout_name: str, num_requests: int, prompt_len: int, steps: int, seed: 
 def run_churn(num_running: int, steps: int, warmup: int, seed: int) -> dict:
     """Turnover at a full pool: block ids per step in the deltas, table entries vs composed units."""
     rng = random.Random(seed)
-    layout = kv_layout(load_model(MODEL).layer_specs(BLOCK))
+    layout = kv_layout(get_model_preset(MODEL).layer_specs(BLOCK))
     max_len = 2048 + 256 + 16
     num_blocks = int(num_running * layout.blocks_per_request(max_len, 512) * 1.1)
     engine, _ = build_engine(MODEL, simulated_gpu=GPU, sleep_factor=0, block_size=BLOCK, num_blocks=num_blocks,
@@ -304,7 +304,7 @@ def worker_engine(num_requests: int, prompt_len: int, steps: int, device: str, c
 
 
 def build_engine_layout_specs(model):
-    from workers.layer_kinds import layer_specs
+    from workers.models.layer_kinds import layer_specs
     return layer_specs(model.config.get_text_config(), BLOCK)
 
 

@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import router_sim  # noqa: E402
 
-import cluster.router as router_mod  # noqa: E402
-from cluster.loadgen import WORKLOADS  # noqa: E402
-from cluster.scheduler import Scheduler  # noqa: E402
+import cluster.routing.policies as router_mod  # noqa: E402
+from cluster.loadtest.workloads import WORKLOADS  # noqa: E402
+from cluster.engine.scheduler import Scheduler  # noqa: E402
 from kvmanager.block_pool import BlockPool  # noqa: E402
 
 evicted: dict = {}        # (pool, group, hash) -> the tier its last cached block was evicted from

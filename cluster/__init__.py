@@ -1,4 +1,4 @@
-"""swakv's cluster layer: engine, scheduler, Ray actors, Serve app, CLI.
+"""swakv's cluster layer: everything above the workers, one sub-package per concern (docs/design.md).
 
 ``from cluster import LLM`` works; heavy imports (torch, transformers, Ray) happen on first use only.
 """
@@ -6,7 +6,7 @@
 
 def __getattr__(name):
     if name == "LLM":
-        from .llm import LLM
+        from .engine.llm import LLM
         return LLM
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")
 

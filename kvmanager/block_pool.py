@@ -21,6 +21,7 @@ makes no event until it is reused.
 """
 from __future__ import annotations
 
+from .checks import check_int
 from .free_queue import LAST_MESSAGE_TOKENS, FreeQueue
 
 NULL_BLOCK_ID = 0
@@ -51,8 +52,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, num_groups: int, widths: tuple[int, ...] | None = None,
                  last_message_tokens: int = LAST_MESSAGE_TOKENS):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 2, "block 0 is the null block")
         self.num_blocks = num_blocks
         self.widths = tuple(widths) if widths is not None else (1,) * num_groups
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -144,10 +144,10 @@ class BlockPool:
         return freed
 
     def cache(self, block: Block, group: int, block_hash: bytes, parent: bytes | None = None, index: int = -1,
-              learn: bool = False) -> None:
+              learn: bool = False, token_ids: list[int] | None = None) -> None:
         """Enter ``block`` (holding block ``index`` of a request, whose predecessor hashes to ``parent``, None
         for the first block) into the prefix cache; ``learn``: tell the eviction policy how the chain goes
-        on, so it learns where chains fork."""
+        on, so it learns where chains fork. ``token_ids``: the block's tokens, for ``events``."""
         if learn and parent is not None:
             self.free.learn(parent, block_hash)
         block.group = group
@@ -156,7 +156,7 @@ class BlockPool:
         if entry is None:
             self._cached[group][block_hash] = {block.block_id: block}
             if self.events is not None:
-                self.events.stored(group, block_hash, parent, index)
+                self.events.stored(group, block_hash, parent, index, token_ids or [])
         else:
             entry[block.block_id] = block
 

@@ -13,7 +13,7 @@ from .specs import NEVER, AttentionSpec
 
 class HitRule:
     """The hit length every group agrees on, given each group's own search: the manager's rule, also run
-    by a router on the hashes it knows a replica caches (``cluster/router.py``)."""
+    by a router on the hashes it knows a replica caches (``cluster/routing/policies.py``)."""
 
     def __init__(self, specs: Sequence[AttentionSpec]):
         self.specs = tuple(specs)

@@ -144,10 +144,13 @@ class KVCacheGroup:
         rid = request.request_id
         hashes = request.block_hashes(self.block_size)
         cache, gid, null, learns = self.pool.cache, self.group_id, self.pool.null_block, self.learns_chains
+        tokens = request.all_token_ids if self.pool.events is not None else None   # events carry the block's tokens
+        bs = self.block_size
         for i in range(self._num_cached[rid], end):
             block = table[i]
             if block is not null and block.block_hash is None:
-                cache(block, gid, hashes[i], hashes[i - 1] if i else None, i, learns)
+                cache(block, gid, hashes[i], hashes[i - 1] if i else None, i, learns,
+                      tokens[i * bs:(i + 1) * bs] if tokens is not None else None)
         self._num_cached[rid] = end
 
     def quiet_until(self, request: Request) -> tuple[int, int, int]:

@@ -64,3 +64,16 @@ def _encode(value) -> bytes:
     if isinstance(value, tuple):
         return b"(" + b"".join(_encode(v) for v in value) + b")"
     raise TypeError(f"extra keys must be str, int, bytes, None or tuples of them, got {type(value).__name__}")
+
+
+def pack_hashes(chains: dict[int, list[bytes]]) -> dict[int, bytes]:
+    """Chains of digests, per block size, as one byte string each: the form a router sends a prompt's
+    hashes to the engine in (one bytes object is far cheaper to pickle than a list of digests)."""
+    return {bs: b"".join(chain) for bs, chain in chains.items() if chain}
+
+
+def split_hashes(packed: dict[int, bytes] | None) -> dict[int, list[bytes]] | None:
+    """``pack_hashes`` undone: lists of digests per block size (None for nothing sent)."""
+    if not packed:
+        return None
+    return {bs: [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)] for bs, blob in packed.items()}

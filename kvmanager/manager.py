@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_pool import Block, BlockPool
+from .checks import check_int, is_int
 from .coordinator import GroupCoordinator
 from .free_queue import LAST_MESSAGE_TOKENS
 from .request import Request
@@ -22,12 +23,6 @@ class CacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
-def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
 
 
 class KVCacheManager:
@@ -50,20 +45,20 @@ class KVCacheManager:
             if not isinstance(spec, AttentionSpec):
                 raise TypeError(f"group specs must be FullAttention, SlidingWindow or ChunkedLocalAttention, "
                                 f"got {spec!r}")
-        _check_count("max_model_len", max_model_len)
+        check_int("max_model_len", max_model_len, 0)
         if max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
         widths = (1,) * len(groups) if widths is None else tuple(widths)
         if len(widths) != len(groups) or any(type(w) is not int or w < 1 for w in widths):  # noqa: E721
             raise ValueError(f"widths must hold one integer >= 1 per group ({len(groups)}), got {widths!r}")
-        if isinstance(num_blocks, int) and not isinstance(num_blocks, bool) and max(widths) > num_blocks - 1:
+        if is_int(num_blocks) and max(widths) > num_blocks - 1:
             raise ValueError(f"num_blocks={num_blocks} cannot hold one block of {max(widths)} units "
                              f"(unit 0 is the null block)")
         self.specs = tuple(groups)
         self.widths = widths
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        _check_count("last_message_tokens", last_message_tokens)
+        check_int("last_message_tokens", last_message_tokens, 0)
         self.pool = BlockPool(num_blocks, len(groups), widths, last_message_tokens)
         self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
         self._no_hit = self.coordinator.no_hit
@@ -168,9 +163,9 @@ class KVCacheManager:
         if not (type(num_new_tokens) is int and type(num_new_computed_tokens) is int  # noqa: E721 (no bools)
                 and type(num_lookahead_tokens) is int
                 and num_new_tokens >= 0 and num_new_computed_tokens >= 0 and num_lookahead_tokens >= 0):
-            _check_count("num_new_tokens", num_new_tokens)
-            _check_count("num_new_computed_tokens", num_new_computed_tokens)
-            _check_count("num_lookahead_tokens", num_lookahead_tokens)
+            check_int("num_new_tokens", num_new_tokens, 0)
+            check_int("num_new_computed_tokens", num_new_computed_tokens, 0)
+            check_int("num_lookahead_tokens", num_lookahead_tokens, 0)
         running = self._running.get(rid)
         if running is not None and running is not request:
             raise ValueError(f"duplicate request id {rid!r}: another request with this id holds blocks")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from functools import reduce
 from math import gcd, lcm
 
+from .checks import check_int
 from .specs import AttentionSpec, FullAttention
 
 
@@ -108,8 +109,7 @@ def peak_blocks(specs, num_positions: int, widths=None) -> int:
 def split_stages(layer_names: list[str], pipeline_parallel_size: int) -> list[list[str]]:
     """Contiguous stages, as even as possible, earlier stages taking the remainder."""
     n, pp = len(layer_names), pipeline_parallel_size
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+    check_int("pipeline_parallel_size", pp, 1)
     if pp > n:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {n} layers")
     sizes = [n // pp + (1 if i < n % pp else 0) for i in range(pp)]
@@ -123,8 +123,7 @@ def split_stages(layer_names: list[str], pipeline_parallel_size: int) -> list[li
 def shard_spec(spec: AttentionSpec, tensor_parallel_size: int) -> AttentionSpec:
     """The spec as one tensor-parallel rank holds it: KV heads split, or replicated when fewer than ranks."""
     tp, h = tensor_parallel_size, spec.num_kv_heads
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    check_int("tensor_parallel_size", tp, 1)
     if h % tp == 0:
         return replace(spec, num_kv_heads=h // tp)
     if tp % h == 0:
@@ -133,13 +132,7 @@ def shard_spec(spec: AttentionSpec, tensor_parallel_size: int) -> AttentionSpec:
 
 
 def _describe(counts: Counter) -> str:
-    return ", ".join(f"{n} x {_spec_name(s)}" for s, n in counts.items())
-
-
-def _spec_name(spec: AttentionSpec) -> str:
-    extra = {"sliding": f"(window={getattr(spec, 'window', '')})",
-             "chunked_local": f"(chunk={getattr(spec, 'chunk_size', '')})"}.get(spec.kind, "")
-    return spec.kind + extra
+    return ", ".join(f"{n} x {s.label}" for s, n in counts.items())
 
 
 def kv_layout(layer_specs: dict, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1) -> KVLayout:
@@ -191,12 +184,9 @@ def as_full_attention(layer_specs: dict) -> dict:
 def capacity_report(layer_specs: dict, kv_memory_bytes: int, context_len: int, *, prefill_chunk: int = 512,
                     pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1) -> dict:
     """Concurrency at ``context_len`` for the window-aware layout and for sliding-as-full, side by side."""
-    if isinstance(kv_memory_bytes, bool) or not isinstance(kv_memory_bytes, int) or kv_memory_bytes <= 0:
-        raise ValueError(f"kv_memory_bytes must be a positive integer, got {kv_memory_bytes!r}")
-    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 1:
-        raise ValueError(f"context_len must be an integer >= 1, got {context_len!r}")
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    for name, value in (("kv_memory_bytes", kv_memory_bytes), ("context_len", context_len),
+                        ("prefill_chunk", prefill_chunk)):
+        check_int(name, value, 1)
     out = {}
     for label, specs in (("window_aware", layer_specs), ("sliding_as_full", as_full_attention(layer_specs))):
         layout = kv_layout(specs, pipeline_parallel_size, tensor_parallel_size)

@@ -3,16 +3,23 @@
 One rule per kind, ``first_needed_token(n)``: with ``n`` tokens computed, the next token never reads KV
 before that position. The drop rule frees blocks lying entirely before it; the hit rule accepts a
 prefix of length ``h`` when every block from ``first_needed_token(h)`` up to ``h`` is cached.
+
+A spec also answers what the layers around the manager would otherwise work out from its class: the
+bounds an attention kernel takes (``kernel_bounds``), how plans and logs name it (``label``) and the
+name KV-cache events give its groups (``event_kind``, vLLM's). Adding a kind is one class here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
+from .checks import check_int
+
 NEVER = 1 << 62   # a token count no request reaches
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
                "int8": 1}
+_BY_EVENT_KIND: dict[str, type] = {}
 
 
 @dataclass(frozen=True)
@@ -24,13 +31,17 @@ class AttentionSpec:
     head_size: int = 128
     dtype: str = "bfloat16"
 
-    kind = "abstract"
+    kind = "abstract"               # swakv's name of the kind
+    event_kind = "abstract"         # vLLM's name, which KV-cache events carry
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "event_kind" in cls.__dict__:          # a kind of its own, not a variant of its parent's
+            _BY_EVENT_KIND[cls.event_kind] = cls
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be an integer >= 1, got {value!r}")
+            check_int(f"{type(self).__name__}: {name}", getattr(self, name), 1)
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"{type(self).__name__}: unknown dtype {self.dtype!r}; known: {sorted(DTYPE_BYTES)}")
 
@@ -56,7 +67,7 @@ class AttentionSpec:
         next candidate is ``i`` itself: a cold search of a sliding window of ``R`` blocks tests about one
         block in ``R``. Blocks already known cached are not tested twice. ``first_miss(start, stop)``, if
         given, replaces the block-by-block test: the first block in ``[start, stop)`` not cached, else
-        ``stop`` (a caller holding a set of hashes answers it at C speed; see ``cluster/router.py``).
+        ``stop`` (a caller holding a set of hashes answers it at C speed; see ``cluster/routing/policies.py``).
         """
         if first_miss is None:
             def first_miss(i: int, stop: int) -> int:
@@ -74,15 +85,29 @@ class AttentionSpec:
             end, known_from = i, first
         return 0
 
-    def max_real_blocks(self, num_tokens: int, num_new_tokens: int = 1) -> int:
-        """Real (non-null) blocks a request holds while computing ``num_new_tokens`` after ``num_tokens``."""
-        last = num_tokens + num_new_tokens - 1
-        return last // self.block_size - self.first_needed_token(num_tokens) // self.block_size + 1
+    def kernel_bounds(self) -> dict[str, int | None]:
+        """What an attention kernel takes to read no more than this kind needs: ``window`` (a query at ``p``
+        reads keys from ``p - window + 1``) and ``chunk_size`` (from ``(p // chunk_size) * chunk_size``);
+        None where the kind has no such bound."""
+        return {"window": None, "chunk_size": None}
+
+    @property
+    def label(self) -> str:
+        """How plans and logs name it: 'full', 'sliding(window=1024)', 'chunked_local(chunk=8192)'."""
+        return self.kind
+
+    @classmethod
+    def from_kernel_bounds(cls, block_size: int, window: int | None = None,
+                           chunk_size: int | None = None) -> AttentionSpec:
+        """The spec back from its block size and bounds (what KV-cache events carry)."""
+        bounds = {"window": window, "chunk_size": chunk_size}
+        return cls(block_size=block_size, **{k: v for k, v in bounds.items() if v is not None})
 
 
 @dataclass(frozen=True)
 class FullAttention(AttentionSpec):
     kind = "full"
+    event_kind = "full_attention"
 
     def first_needed_token(self, num_computed: int) -> int:
         return 0
@@ -97,11 +122,18 @@ class SlidingWindow(AttentionSpec):
 
     window: int = 4096
     kind = "sliding"
+    event_kind = "sliding_window"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"SlidingWindow: window must be an integer >= 1, got {self.window!r}")
+        check_int("SlidingWindow: window", self.window, 1)
+
+    def kernel_bounds(self) -> dict[str, int | None]:
+        return {"window": self.window, "chunk_size": None}
+
+    @property
+    def label(self) -> str:
+        return f"sliding(window={self.window})"
 
     def first_needed_token(self, num_computed: int) -> int:
         return max(0, num_computed - self.window + 1)
@@ -116,14 +148,30 @@ class ChunkedLocalAttention(AttentionSpec):
 
     chunk_size: int = 8192
     kind = "chunked_local"
+    event_kind = "chunked_local_attention"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
-            raise ValueError(f"ChunkedLocalAttention: chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        check_int("ChunkedLocalAttention: chunk_size", self.chunk_size, 1)
+
+    def kernel_bounds(self) -> dict[str, int | None]:
+        return {"window": None, "chunk_size": self.chunk_size}
+
+    @property
+    def label(self) -> str:
+        return f"chunked_local(chunk={self.chunk_size})"
 
     def first_needed_token(self, num_computed: int) -> int:
         return (num_computed // self.chunk_size) * self.chunk_size
 
     def computed_to_reach(self, token: int) -> int:
         return -(-token // self.chunk_size) * self.chunk_size
+
+
+def spec_from_event(event_kind: str, block_size: int, window: int | None = None,
+                    chunk_size: int | None = None) -> AttentionSpec:
+    """The spec a KV-cache event describes by its kind's name (``event_kind``), block size and bounds."""
+    cls = _BY_EVENT_KIND.get(event_kind)
+    if cls is None:
+        raise ValueError(f"unknown KV-cache group kind {event_kind!r}")
+    return cls.from_kernel_bounds(block_size, window=window, chunk_size=chunk_size)

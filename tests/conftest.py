@@ -22,7 +22,7 @@ if not shutil.which("nvidia-smi"):
 @pytest.fixture(scope="session")
 def ray_runtime():
     import ray
-    from cluster.engine_actor import NAMESPACE
+    from cluster.ray.engine_actor import NAMESPACE
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
     try:
         yield ray

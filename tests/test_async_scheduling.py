@@ -10,13 +10,14 @@ import functools
 import pytest
 import torch
 
-from cluster.engine import WorkerFailure
-from cluster.executors import LocalExecutor
-from cluster.llm import LLM, build_engine
-from cluster.scheduler import SamplingParams
+from cluster.engine.engine import WorkerFailure
+from cluster.engine.executor import LocalExecutor
+from cluster.engine.build import build_engine
+from cluster.engine.llm import LLM
+from cluster.engine.types import SamplingParams
 from workers.protocol import RequestError, ScheduledChunk, StepInput
-from workers.tiny_models import build_tiny_model
-from workers.worker import Worker
+from workers.models.tiny_models import build_tiny_model
+from workers.runtime.worker import Worker
 
 # Six prompts, 20..35 tokens (windows are 8), the last sharing the first one's 20-token prefix.
 PROMPTS = [[(7 * i + j) % 256 for j in range(20 + 3 * i)] for i in range(5)] + [[j % 256 for j in range(20)] + [1, 2, 3]]

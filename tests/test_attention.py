@@ -14,7 +14,9 @@ import math
 import pytest
 import torch
 
-from workers.attention import BACKEND_ENV, paged_attention, select_backend, slot_mapping, store_kv
+from workers.attention import BACKEND_ENV, paged_attention, select_backend, store_kv
+
+from drivers import slot_mapping
 
 NAN = float("nan")
 

@@ -2,8 +2,9 @@
 import pytest
 
 from kvmanager.specs import ChunkedLocalAttention, FullAttention, SlidingWindow
-from workers.cost_model import StepCostModel, attended_pairs, keys_read
-from workers.presets import MODEL_PRESETS, GpuPreset, from_config
+from workers.sim.cost_model import StepCostModel, attended_pairs, keys_read
+from workers.sim.gpus import GpuPreset
+from workers.sim.presets import MODEL_PRESETS, from_config
 
 # Round numbers so every figure below can be checked by hand.
 GPU = GpuPreset("toy", memory_bytes=10**9, hbm_bytes_per_s=1e11, bf16_flops_per_s=1e12,

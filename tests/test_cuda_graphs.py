@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from cluster.llm import LLM
-from workers.cuda_graphs import BATCH_SIZES, DecodeGraphs, bucket_batch, bucket_width
-from workers.tiny_models import build_tiny_model
-from workers.worker import Worker
+from cluster.engine.llm import LLM
+from workers.runtime.cuda_graphs import BATCH_SIZES, DecodeGraphs, bucket_batch, bucket_width
+from workers.models.tiny_models import build_tiny_model
+from workers.runtime.worker import Worker
 
 try:
     from test_async_scheduling import PROMPTS, reference
@@ -84,7 +84,7 @@ def test_engine_with_padded_decode_and_overlap_gives_transformers_tokens():
 
 TRITON_SCRIPT = """
 import json, sys
-from cluster.llm import LLM
+from cluster.engine.llm import LLM
 prompts = json.loads(sys.argv[1])
 llm = LLM("tiny-gemma3", block_size=4, num_blocks=64, max_num_batched_tokens=8, cuda_graphs=True,
           async_scheduling=True)

@@ -54,7 +54,7 @@ def test_config_mixes_sliding_and_full_layers(model):
 
 def test_swakv_reads_sliding_and_full_layer_specs(model):
     from kvmanager.specs import FullAttention, SlidingWindow
-    from workers.layer_kinds import layer_specs
+    from workers.models.layer_kinds import layer_specs
 
     sliding = SlidingWindow(block_size=16, num_kv_heads=2, head_size=32, dtype="float32", window=64)
     full = FullAttention(block_size=16, num_kv_heads=2, head_size=32, dtype="float32")

@@ -11,10 +11,12 @@ import time
 import pytest
 import torch
 
-from cluster.engine import WorkerFailure
-from cluster.llm import LLM, build_engine
-from cluster.scheduler import SamplingParams
-from workers.tiny_models import build_tiny_model
+from cluster.engine.engine import WorkerFailure
+from cluster.engine.build import build_engine
+from cluster.engine.llm import LLM
+from cluster.engine.types import SamplingParams
+from cluster.ray.executors import RayExecutor
+from workers.models.tiny_models import build_tiny_model
 
 
 @functools.cache
@@ -54,7 +56,7 @@ def test_stages_with_different_layer_kinds_are_refused_before_loading():
     with pytest.raises(ValueError, match=r"different mixes of layer kinds.*stage 0 \(layers model.layers.0.self_attn"
                                          r"..model.layers.1.self_attn\): 2 x chunked_local\(chunk=8\); stage 1 .*"
                                          r"1 x chunked_local\(chunk=8\), 1 x full"):
-        build_engine("tiny-llama4", pipeline_parallel_size=2, block_size=4, use_ray=True)  # no Ray needed: refused first
+        build_engine("tiny-llama4", pipeline_parallel_size=2, block_size=4, executor_cls=RayExecutor)  # no Ray needed: refused first
 
 
 def test_parallel_sizes_that_do_not_divide_are_refused():
@@ -75,7 +77,7 @@ def test_bad_requests_are_refused_and_nothing_is_queued():
     with pytest.raises(ValueError, match="250 tokens need up to 72 KV blocks, the pool has 63"):
         engine.add_request("c", [1] * 100, SamplingParams(max_tokens=150))
     with pytest.raises(ValueError, match="max_tokens must be"):
-        engine.add_request("d", [1, 2], SamplingParams(max_tokens=0))
+        engine.add_request("d", [1, 2], SamplingParams(max_tokens=-1))
     engine.add_request("e", [1, 2, 3])
     with pytest.raises(ValueError, match="duplicate request id 'e'"):
         engine.add_request("e", [1, 2, 3])
@@ -114,7 +116,7 @@ def test_a_lost_worker_is_rebuilt_and_told_every_composite_again():
 
 def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
     ray = ray_runtime
-    engine, _ = build_engine("tiny-gemma2", block_size=4, num_blocks=200, max_num_batched_tokens=16, use_ray=True)
+    engine, _ = build_engine("tiny-gemma2", block_size=4, num_blocks=200, max_num_batched_tokens=16, executor_cls=RayExecutor)
     try:
         assert engine.executor.uses_compiled_graph   # one node: the step runs as a Compiled Graph
         for i, prompt in enumerate(PROMPTS[:4]):
@@ -151,7 +153,7 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
 
 def test_a_chunk_a_worker_actor_refuses_fails_its_request_alone_through_ray(ray_runtime):
     """The worker's RequestError crosses Ray (a Compiled Graph, two stages) and still names its request."""
-    engine, _ = build_engine("tiny-llama", pipeline_parallel_size=2, block_size=4, num_blocks=64, use_ray=True,
+    engine, _ = build_engine("tiny-llama", pipeline_parallel_size=2, block_size=4, num_blocks=64, executor_cls=RayExecutor,
                              num_cpus_per_worker=0.5)
     try:
         assert engine.executor.uses_compiled_graph
@@ -175,7 +177,7 @@ def test_a_chunk_a_worker_actor_refuses_fails_its_request_alone_through_ray(ray_
 def test_an_engine_restarted_after_a_crash_reclaims_the_placement_group_its_predecessor_left(ray_runtime):
     """Ray ties a placement group to the job, not to the actor that made it: a named engine that dies
     would keep its devices reserved and its successor could never place workers."""
-    from cluster.launch import start_engine_actor
+    from drivers import start_engine_actor
     ray = ray_runtime
 
     def groups():
@@ -203,7 +205,7 @@ def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runti
     # tiny-gemma2: 4 heads, 2 KV heads, MLP 128 -> 2 ranks each keep 2 heads, 1 KV head, 64 columns;
     # two stages of two ranks: four worker actors, one gloo world, one sub-group per stage.
     engine, info = build_engine("tiny-gemma2", tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4,
-                                num_blocks=200, max_num_batched_tokens=16, use_ray=True, num_cpus_per_worker=0.5)
+                                num_blocks=200, max_num_batched_tokens=16, executor_cls=RayExecutor, num_cpus_per_worker=0.5)
     try:
         assert [n.rsplit("-", 2)[0] for n in engine.stats()["workers"]] == [
             "swakv-worker-stage0-rank0", "swakv-worker-stage0-rank1",
@@ -221,7 +223,7 @@ def test_tensor_parallel_ranks_over_ray_with_gloo_give_the_same_tokens(ray_runti
 
 TRITON_SCRIPT = """
 import json, sys
-from cluster.llm import LLM
+from cluster.engine.llm import LLM
 prompts = json.loads(sys.argv[1])
 llm = LLM("tiny-gemma3", block_size=4, num_blocks=64, max_num_batched_tokens=8)
 print(json.dumps([o.output_token_ids for o in llm.generate(prompts, max_tokens=6)]))

@@ -14,14 +14,15 @@ import functools
 import pytest
 import torch
 
-from cluster.deltas import encode_step
-from cluster.engine import WorkerFailure
-from cluster.engine_actor import SHUTTING_DOWN, EngineService, EngineUnavailable
-from cluster.executors import LocalExecutor
-from cluster.llm import LLM, build_engine
-from cluster.scheduler import SamplingParams
+from workers.wire import encode_step
+from cluster.engine.engine import WorkerFailure
+from cluster.ray.engine_actor import SHUTTING_DOWN, EngineService, EngineUnavailable
+from cluster.engine.executor import LocalExecutor
+from cluster.engine.build import build_engine
+from cluster.engine.llm import LLM
+from cluster.engine.types import SamplingParams
 from workers.protocol import RequestError, RequestStart, SamplingSpec, ScheduledChunk, StepInput
-from workers.tiny_models import build_tiny_model
+from workers.models.tiny_models import build_tiny_model
 
 MODEL = "tiny-llama"
 POISON = 250                        # its embedding is NaN in the poisoned copy; no clean output below holds it

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.deltas import decode_output, decode_step, encode_output, encode_step
-from cluster.engine import WorkerFailure
-from cluster.llm import build_engine
-from cluster.scheduler import SamplingParams
+from workers.wire import decode_output, decode_step, encode_output, encode_step
+from cluster.engine.engine import WorkerFailure
+from cluster.engine.build import build_engine
+from cluster.engine.types import SamplingParams
 
 # Six prompts of 20..35 tokens (windows are 8); the last shares the first one's 20-token prefix.
 PROMPTS = [[(7 * i + j) % 256 for j in range(20 + 3 * i)] for i in range(5)] + [[j % 256 for j in range(20)] + [1, 2, 3]]

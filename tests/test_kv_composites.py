@@ -10,10 +10,10 @@ tier tail first, dropped blocks the unreachable tier, leftover units the front o
 import msgpack
 import pytest
 
-from cluster.deltas import decode_step, encode_step
+from workers.wire import decode_step, encode_step
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.planning import kv_layout
-from workers.presets import layer_specs
+from workers.sim.presets import layer_specs
 from workers.protocol import StepInput
 
 from drivers import decode, ids, run_step
@@ -156,7 +156,7 @@ def test_gemma_3_27b_layout_two_groups_one_id_per_entry_capacity_in_units():
 
 
 def test_compositions_travel_to_workers_as_runs_of_consecutive_units_whatever_the_width():
-    """The wire form of a step (``cluster.deltas``): a composite of consecutive units is two integers, so
+    """The wire form of a step (``workers.wire``): a composite of consecutive units is two integers, so
     what a step sends does not grow with the layers of a kind; the workers get the units back as they were."""
     mgr = KVCacheManager([SlidingWindow(block_size=1, window=2), FullAttention(block_size=1)], num_blocks=64,
                          widths=(26, 5))

@@ -13,10 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.engine import Engine, EngineConfig
-from cluster.kv_events import EventPublisher, Gap, KVIndex, decode_batch, group_metadata, specs_from_metadata
-from cluster.scheduler import SamplingParams
+from cluster.engine.engine import Engine, EngineConfig
+from cluster.engine.kv_events import EventPublisher, decode_batch, group_metadata, specs_from_metadata
+from cluster.routing.kv_index import Gap, KVIndex
+from cluster.engine.types import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager.hashing import hash_blocks, root_hash
 
 from drivers import SimulatedExecutor
 
@@ -47,13 +49,25 @@ def known(index: KVIndex, num_groups: int) -> list[set[bytes]]:
     return [set(index.cached(g)) for g in range(num_groups)]
 
 
+def assert_tokens_give_the_hashes(payload: bytes) -> None:
+    """A consumer with only the events can recompute every stored hash from the event's tokens."""
+    for e in decode_batch(payload)[1]:
+        if e["type"] == "BlockStored":
+            assert len(e["token_ids"]) == e["block_size"] * len(e["block_hashes"])
+            parent = e["parent_block_hash"] if e["parent_block_hash"] is not None else root_hash()
+            assert hash_blocks(parent, e["token_ids"], e["block_size"]) == e["block_hashes"]
+
+
 def follow(index: KVIndex, pub: EventPublisher) -> None:
     """What ``EngineService.kv_events`` gives a consumer: the batches it lacks, or a snapshot."""
     batches = pub.since(index.seq) if index.synced and index.epoch == pub.epoch else None
     if batches is None:
-        index.load(pub.epoch, *pub.snapshot())
+        seq, payload = pub.snapshot()
+        assert_tokens_give_the_hashes(payload)
+        index.load(pub.epoch, seq, payload)
     else:
         for seq, payload in batches:
+            assert_tokens_give_the_hashes(payload)
             index.apply(seq, payload)
 
 
@@ -73,6 +87,7 @@ def test_a_block_that_leaves_the_window_stays_cached_and_makes_no_event_until_it
     _, events, rank = decode_batch(pub._batches[-1][1])
     assert rank == 0 and [e["type"] for e in events] == ["BlockStored"]
     assert events[0]["block_hashes"] == hashes and events[0]["parent_block_hash"] is None
+    assert events[0]["token_ids"] == [1, 2, 3, 1, 2, 3, 1, 2, 3, 1]             # its 5 full blocks' tokens
     assert (events[0]["block_index"], events[0]["block_size"], events[0]["group_idx"]) == (0, 2, 0)
     assert (events[0]["kv_cache_spec_kind"], events[0]["kv_cache_spec_sliding_window"]) == ("sliding_window", 4)
     follow(index, pub)
@@ -157,14 +172,15 @@ def test_the_schema_follows_vllm_names_and_the_layout_round_trips():
     assert [m["kind"] for m in meta] == ["chunked_local_attention", "full_attention", "sliding_window"]
     assert specs_from_metadata(meta) == specs + [SlidingWindow(block_size=8, window=100)]
     pub = EventPublisher(specs)
-    pub.stored(1, b"h" * 32, None, 0)
-    pub.stored(1, b"i" * 32, b"h" * 32, 1)      # the chain goes on: one event
+    pub.stored(1, b"h" * 32, None, 0, [5, 6, 7, 8])
+    pub.stored(1, b"i" * 32, b"h" * 32, 1, [9, 10, 11, 12])      # the chain goes on: one event
     pub.removed(1, b"h" * 32)
     pub.flush()
     ts, events, rank = msgpack.unpackb(pub._batches[-1][1], raw=False)    # plain msgpack: [ts, events, rank]
     assert isinstance(ts, float) and rank == 0
     assert events == [
-        {"type": "BlockStored", "block_hashes": [b"h" * 32, b"i" * 32], "parent_block_hash": None, "token_ids": [],
+        {"type": "BlockStored", "block_hashes": [b"h" * 32, b"i" * 32], "parent_block_hash": None,
+         "token_ids": [5, 6, 7, 8, 9, 10, 11, 12],
          "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 1,
          "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None,
          "kv_cache_spec_attention_chunk_size": None, "block_index": 0},

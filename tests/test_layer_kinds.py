@@ -9,7 +9,7 @@ import transformers
 
 from kvmanager.planning import kv_layout
 from kvmanager.specs import ChunkedLocalAttention, FullAttention, SlidingWindow
-from workers.layer_kinds import check_parallel_sizes, layer_specs
+from workers.models.layer_kinds import check_parallel_sizes, layer_specs
 
 MISTRAL_7B_V01 = {
     "architectures": ["MistralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,

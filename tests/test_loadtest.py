@@ -24,18 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from cluster.loadgen import (
-    RequestRecord,
-    Session,
-    Turn,
-    agent_loops,
-    check_local_url,
-    document_qa,
-    multi_turn_chat,
-    parse_trace,
-    percentile,
-)
-from cluster.loadtest import LoadTestConfig, LocalCluster, register, run_layout, run_one
+from cluster.loadtest.cli import register
+from cluster.loadtest.client import RequestRecord, check_local_url, percentile
+from cluster.loadtest.config import LoadTestConfig
+from cluster.loadtest.local_cluster import LocalCluster
+from cluster.loadtest.run import run_one
+from cluster.loadtest.workloads import Session, Turn, agent_loops, document_qa, multi_turn_chat, parse_trace
+
+from drivers import run_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,7 +102,7 @@ def test_malformed_trace_lines_name_the_line_and_field(line, message):
 
 
 def test_trace_file_errors(tmp_path):
-    from cluster.loadgen import load_trace
+    from cluster.loadtest.workloads import load_trace
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     with pytest.raises(ValueError, match="empty.jsonl: holds no requests"):
@@ -189,7 +185,7 @@ def test_command_line_refuses_bad_values_before_starting_anything(capsys):
 
 
 def test_router_comparisons_default_to_one_layout_one_stage_and_busier_shared_prefix_workloads():
-    from cluster.loadtest import config_from_args
+    from cluster.loadtest.cli import config_from_args
     parser = argparse.ArgumentParser(prog="swakv")
     register(parser.add_subparsers(dest="command"))
     cfg = config_from_args(parser.parse_args(["loadtest", "--compare-routers", "-dp", "3", "--workload", "qa"]))
@@ -355,7 +351,7 @@ def test_both_layouts_get_the_same_kv_bytes(runs):
 
 
 def test_report_is_json_with_the_run_counts(runs):
-    from cluster.loadtest import format_report, public_report
+    from cluster.loadtest.report import format_report, public_report
     report = {"completed": 36, "failed": 0, "lost": 0,
               "layouts": {"window_aware": runs["plain"]["summary"], "sliding_as_full": runs["full"]["summary"]},
               "config": {**CONFIG.__dict__, "layouts": list(CONFIG.layouts)},

@@ -18,10 +18,11 @@ import torch
 import transformers
 from ray import serve
 
-from cluster.engine_actor import NAMESPACE
-from cluster.launch import start_engine_actor, stop_engine_actor
-from cluster.llm import DEFAULT_MODEL
-from cluster.serve import build_app, run
+from cluster.ray.engine_actor import NAMESPACE
+from cluster.engine.build import DEFAULT_MODEL
+from cluster.serve.server import build_app, run
+
+from drivers import start_engine_actor, stop_engine_actor
 
 MODEL = "swakv-tiny-hybrid"
 ENGINE = "test-openai-engine"

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from cluster.planner import parse_bytes, plan, register
+from cluster.tools.args import parse_bytes
+from cluster.tools.planner import plan, register
 
 GiB = 1 << 30
 

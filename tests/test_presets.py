@@ -4,8 +4,9 @@ import json
 import pytest
 
 from kvmanager.specs import ChunkedLocalAttention, FullAttention, SlidingWindow
-from workers.presets import (GPU_PRESETS, MODEL_PRESETS, describe_layers, estimate_params, get_gpu, layer_specs,
-                             load_model)
+from workers.sim.gpus import GPU_PRESETS, get_gpu
+from workers.sim.presets import MODEL_PRESETS, describe_layers, estimate_params, layer_specs
+from workers.sim.presets import get_model_preset as load_model
 
 # Published per-kind layer counts (config.json: num_hidden_layers and the sliding pattern), window or chunk,
 # KV heads and head size.

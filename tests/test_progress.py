@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cluster import LLM
-from cluster.engine import Engine, EngineConfig
-from cluster.scheduler import SamplingParams
+from cluster.engine.engine import Engine, EngineConfig
+from cluster.engine.types import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
 from kvmanager.planning import peak_blocks
-from workers.tiny_models import build_tiny_model
+from workers.models.tiny_models import build_tiny_model
 
 from drivers import SimulatedExecutor
 

@@ -19,9 +19,10 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.engine_actor import NAMESPACE
-from cluster.launch import start_engine_actor, stop_engine_actor
-from cluster.serve import build_app, run
+from cluster.ray.engine_actor import NAMESPACE
+from cluster.serve.server import build_app, run
+
+from drivers import start_engine_actor, stop_engine_actor
 
 BASE = "test-dp-engine"
 NAMES = [f"{BASE}-{i}" for i in range(3)]

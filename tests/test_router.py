@@ -13,13 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.kv_events import EventPublisher
-from cluster.replicas import ReplicaSet
-from cluster.router import (LeastLoaded, PrefixAware, PromptHashes, RayPrefixTree, Replica, RoundRobin,
-                            common_prefix_tokens, make_router, prefix_hit, split_hashes)
-from cluster.scheduler import SamplingParams
+from cluster.engine.kv_events import EventPublisher
+from cluster.routing.replicas import ReplicaSet
+from cluster.routing.policies import (LeastLoaded, PrefixAware, RayPrefixTree, Replica, RoundRobin, common_prefix_tokens,
+                                     make_router, prefix_hit)
+from cluster.routing.prompt import PromptHashes
+from cluster.engine.types import SamplingParams
 from kvmanager import Request
 from kvmanager.coordinator import HitRule
+from kvmanager.hashing import split_hashes
 
 from test_kv_events import LAYOUTS, SHARED, VOCAB, follow, make_engine
 from test_kv_properties import oracle_hit

@@ -8,8 +8,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 import router_sim  # noqa: E402
-from cluster.loadgen import Session, Turn  # noqa: E402
-from workers.cost_model import StepCostModel  # noqa: E402
+from cluster.loadtest.workloads import Session, Turn  # noqa: E402
+from workers.sim.cost_model import StepCostModel  # noqa: E402
 
 MODEL, GPU = "gemma-3-27b", "H100-80GB"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from workers.protocol import GREEDY, RequestStart, SamplingSpec, ScheduledChunk
-from workers.sampling import Sampler
+from workers.runtime.sampling import Sampler
 
 VOCAB = 40
 

@@ -18,13 +18,14 @@ import torch
 from ray import serve
 from starlette.responses import StreamingResponse
 
-from cluster.engine_actor import NAMESPACE
-from cluster.launch import start_engine_actor, stop_engine_actor
-from cluster.serve import EventStream, build_app, run
-from cluster.tokenizer import StreamDecoder, load_tokenizer
-from workers.tiny_models import build_tiny_model
+from cluster.ray.engine_actor import NAMESPACE
+from cluster.serve.server import build_app, run
+from cluster.serve.streaming import EventStream
+from cluster.engine.tokenizer import StreamDecoder, load_tokenizer
+from workers.models.tiny_models import build_tiny_model
 
 from conftest import ROOT
+from drivers import start_engine_actor, stop_engine_actor
 
 MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: two KV-cache groups (3 units + 1 of one layer)
 ENGINE = "test-serve-engine"

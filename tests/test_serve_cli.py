@@ -51,3 +51,14 @@ def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtim
     assert "Traceback" not in err, err
     assert "swakv: shutting down ..." in err and "told 0 in-flight request(s)" in err
     assert raylets() <= before                   # the runtime it started is gone
+
+
+def test_sleep_factor_is_refused_without_simulated_workers_and_when_negative():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    alone = subprocess.run([sys.executable, "-m", "cluster", "serve", "--sleep-factor", "1"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and "sleep_factor needs simulated_gpu" in alone.stderr
+    negative = subprocess.run([sys.executable, "-m", "cluster", "serve", "--simulated-gpu", "H100-80GB",
+                               "--sleep-factor", "-0.5"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+    assert negative.returncode == 2 and "sleep_factor must be a finite number >= 0, got -0.5" in negative.stderr

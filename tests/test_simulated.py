@@ -3,10 +3,10 @@ import pytest
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.planning import kv_layout
-from workers.cost_model import StepCostModel
-from workers.presets import layer_specs
+from workers.sim.cost_model import StepCostModel
+from workers.sim.presets import layer_specs
 from workers.protocol import GREEDY, RequestStart, SamplingSpec, ScheduledChunk, StepInput
-from workers.simulated import SimulatedWorker
+from workers.sim.simulated import SimulatedWorker
 
 HYBRID = [FullAttention(4), SlidingWindow(4, window=8)]
 

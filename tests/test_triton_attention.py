@@ -19,7 +19,7 @@ try:
 except ImportError:  # tests/ became a package
     from tests.test_attention import MIXED, build_case, dense_attention, run_case
 
-from workers.triton_attention import choose_num_splits, triton_paged_attention
+from workers.attention.triton_paged import choose_num_splits, triton_paged_attention
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a GPU")
@@ -112,7 +112,7 @@ _COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from workers import triton_attention as ta
+from workers.attention import triton_paged as ta
 
 def compile(fn, types, constexprs):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}

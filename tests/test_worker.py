@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from kvmanager.planning import kv_layout
-from workers.layer_kinds import layer_specs
+from workers.models.layer_kinds import layer_specs
 from workers.protocol import GREEDY, RequestStart, SamplingSpec, ScheduledChunk, StepInput
-from workers.tiny_models import build_tiny_model, tiny_config
-from workers.worker import Worker, execute_pipeline
+from workers.models.tiny_models import build_tiny_model, tiny_config
+from workers.runtime.worker import Worker
+
+from drivers import execute_pipeline, worker_from_kv_budget
 
 BLOCK = 4
 NUM_BLOCKS = 96
@@ -285,16 +287,16 @@ def test_kv_budget_and_bytes():
     # tiny-gemma2: one layer's page = 2 (K, V) x block 4 x 2 KV heads x head 16 x 4 bytes = 1024 bytes.
     # 2 sliding + 2 full layers: two groups of S = gcd(2, 2) = 2 layers, so a pool block is 2048 bytes
     # and the worker allocates S = 2 K/V pairs that both groups share (not 4, one per layer).
-    worker = Worker.from_kv_budget(build_tiny_model("tiny-gemma2"), block_size=BLOCK, kv_budget_bytes=2048 * 10 + 2047)
+    worker = worker_from_kv_budget(build_tiny_model("tiny-gemma2"), block_size=BLOCK, kv_budget_bytes=2048 * 10 + 2047)
     assert worker.num_blocks == 10
     assert worker.kv_cache_bytes() == 2 * 10 * 1024
     # Stage 1 of 2 holds layers 2 (sliding) and 3 (full): S = 1, a pool block is 1024 bytes.
-    stage = Worker.from_kv_budget(build_tiny_model("tiny-gemma2"), block_size=BLOCK, kv_budget_bytes=40960,
+    stage = worker_from_kv_budget(build_tiny_model("tiny-gemma2"), block_size=BLOCK, kv_budget_bytes=40960,
                                   layers=(2, 4))
     assert stage.num_blocks == 40
     assert stage.kv_cache_bytes() == 40 * 1024
     with pytest.raises(ValueError, match="kv_budget_bytes"):
-        Worker.from_kv_budget(build_tiny_model("tiny-gemma2"), block_size=BLOCK, kv_budget_bytes=4095)
+        worker_from_kv_budget(build_tiny_model("tiny-gemma2"), block_size=BLOCK, kv_budget_bytes=4095)
 
 
 def snapshot(worker):

@@ -20,31 +20,32 @@ carries them, and only what the penalties need (the whole prefix for a repetitio
 prompt and output; for presence / frequency, which count output only, just the outputs inside the hit,
 which is empty unless a recomputed request hits its own generated tokens).
 
+Prompt logprobs (``SamplingSpec.prompt_logprobs``, for scoring a prompt): the last stage keeps, besides
+each sampling row, the logits of every prompt position of the chunk and returns, per request, the raw
+log-softmax of each prompt token given its prefix (and the top k), as ``StepOutput.prompt_logprobs``
+entries ``(first position, logprobs, top ids, top logprobs)``. The token at the start of a chunk is scored
+by the last row of the chunk before it, which the last stage keeps until that token arrives; so every
+position from 1 on is scored, however the prompt is chunked, provided the prompt is computed from
+position 0 (the engine takes no prefix-cache hit for such a request until its positions are all scored).
+
 Faults are reported per request where they can be: a chunk a worker refuses raises ``RequestError``
 naming its request before anything changes (the engine fails that request and runs the rest of the step
 again); a row that cannot be sampled (NaN logits) lands in ``StepOutput.failed`` and the step stands.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from kvmanager.checks import is_int, is_number
 
 
 MAX_LOGPROBS = 20                      # top logprobs a request may ask for (vLLM's default bound)
 GREEDY_BELOW = 1e-5                    # temperatures below this are greedy (as vLLM's sampler treats them)
 
 
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How a request picks its next tokens (order of application: ``workers/sampling.py``)."""
+    """How a request picks its next tokens (order of application: ``workers/runtime/sampling.py``)."""
 
     temperature: float = 0.0             # < GREEDY_BELOW: greedy (argmax after bias and penalties)
     top_p: float = 1.0                   # (0, 1]: the smallest set of tokens holding this much probability
@@ -56,6 +57,7 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), sorted by token id
     logprobs: int | None = None          # None: none; k: the sampled token's raw logprob and the top k
     seed: int | None = None              # None: the worker's batch generator; else draws keyed by (seed, position)
+    prompt_logprobs: int | None = None   # None: none; k: each prompt token's raw logprob and the top k (module doc)
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -65,20 +67,23 @@ class SamplingSpec:
             raise ValueError(f"logit_bias must be (token id, bias) pairs, got {self.logit_bias!r}") from None
         object.__setattr__(self, "logit_bias", bias)
         checks = (
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
-            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("temperature", is_number(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0: off)"),
-            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            ("presence_penalty", _is_number(self.presence_penalty), "a finite number"),
-            ("frequency_penalty", _is_number(self.frequency_penalty), "a finite number"),
-            ("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("presence_penalty", is_number(self.presence_penalty), "a finite number"),
+            ("frequency_penalty", is_number(self.frequency_penalty), "a finite number"),
+            ("repetition_penalty", is_number(self.repetition_penalty) and self.repetition_penalty > 0,
              "a finite number > 0"),
-            ("logit_bias", all(is_int(t) and t >= 0 and _is_number(b) for t, b in bias)
+            ("logit_bias", all(is_int(t) and t >= 0 and is_number(b) for t, b in bias)
              and len({t for t, _ in bias}) == len(bias), "distinct token ids >= 0 with finite biases"),
             ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"None or an integer in [0, {MAX_LOGPROBS}]"),
             ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**64),
              "None or an integer in [0, 2**64)"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"None or an integer in [0, {MAX_LOGPROBS}]"),
         )
         for name, ok, what in checks:
             if not ok:
@@ -139,6 +144,10 @@ class StepOutput:
     logprobs: dict[str, tuple[float, list[int], list[float]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)   # request_id -> why its row could not be sampled
     device_time_s: float = 0.0           # real workers on CUDA: the step's span on the device (events)
+    # request_id -> (first prompt position scored, raw logprob of each prompt token from there, per token
+    # the top ids and their raw logprobs), for requests with prompt_logprobs (module doc)
+    prompt_logprobs: dict[str, tuple[int, list[float], list[list[int]], list[list[float]]]] = \
+        field(default_factory=dict)
 
 
 class RequestError(ValueError):

@@ -1,0 +1,301 @@
+"""The engine: scheduler + KV-cache manager + an executor of steps. A plain class; Ray wraps it.
+
+An executor has ``execute(StepInput) -> StepOutput`` and ``restart()``. One request never stops the
+engine. A step that fails because of one request's chunk (the workers raise ``RequestError`` naming it,
+before changing anything) fails that request alone and runs again without it; a row the workers cannot
+sample fails its request in ``apply``. Any other step failure (``WorkerFailure``: a worker lost or timed
+out; or an error nobody can attribute) restarts the workers, and every running request recomputes from
+its tokens (prompt and what it generated so far): nothing is lost or answered twice. Each request of
+the failed step then runs alone until a step of its own succeeds; one that fails ``max_request_faults``
+steps in a row is failed, so a request that breaks the workers without naming itself fails alone and
+cannot make them restart forever.
+
+Asynchronous scheduling (``EngineConfig.async_scheduling``, with an executor that can ``submit`` a step
+and ``collect`` it later): each ``step()`` schedules and launches step N+1 while step N runs on the
+device, then collects and applies step N. The scheduler's side is in ``scheduler.py`` (pending tokens,
+chunks fed on the device). What keeps it safe: the workers run steps in launch order on one device
+stream, so a block freed or dropped while step N still reads it can only be written by N+1 or later, a
+composite re-formed for N+1 is re-formed after N's reads, and the host buffers a launch fills are
+double-buffered. Faults: a step the workers refuse because of one request (``RequestError``, raised at
+launch, before anything changed) is launched again without that request, as in the synchronous loop;
+any other failure of a launch or a collect loses both steps on the device: their requests are blamed,
+the workers restart and everything running recomputes. While requests are under suspicion the engine
+runs one step at a time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvmanager import KVCacheManager, Request
+
+from workers.protocol import StepInput, find_request_error
+
+from .scheduler import Scheduler, Sequence, SequenceUpdate, StepPlan
+from .types import SamplingParams
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died or stopped answering; its KV cache is gone."""
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    max_request_faults: int = 3            # unexplained step failures in a row before a request is failed
+    vocab_size: int | None = None          # token ids must lie below it (checked before queueing)
+    async_scheduling: bool = False         # schedule step N+1 while step N runs (executors with ``submit``)
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    scheduled_tokens: int = 0
+    step_time_s: float = 0.0
+    last_step_time_s: float = 0.0
+    delta_bytes: int = 0
+    simulated_time_s: float = 0.0                 # GPU time simulated workers report (0 for real ones)
+    device_time_s: float = 0.0                    # GPU time real workers on CUDA report (events)
+    host_time_s: float = 0.0                      # wall time in ``step()`` not spent waiting for results
+    wait_time_s: float = 0.0                      # wall time in ``step()`` waiting for the workers' results
+    worker_restarts: int = 0
+    recomputed_requests: int = 0
+    finished: dict = field(default_factory=dict)   # finish reason -> count
+
+
+class Engine:
+    def __init__(self, executor, group_specs, num_blocks: int, config: EngineConfig | None = None,
+                 group_widths=None):
+        """``group_widths``: pool units per block of each group (``kv_layout(...).group_widths``)."""
+        self.config = config or EngineConfig()
+        self.executor = executor
+        self.manager = KVCacheManager(group_specs, num_blocks=num_blocks,
+                                      enable_prefix_caching=self.config.enable_prefix_caching,
+                                      max_model_len=self.config.max_model_len, widths=group_widths)
+        self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.metrics = EngineMetrics()
+        self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
+
+    def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
+                    extra_keys: tuple = (), block_hashes: dict[int, list[bytes]] | None = None) -> None:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input. ``block_hashes``:
+        the prompt's leading block hashes, when a router computed them already (``kvmanager.Request``)."""
+        req = Request(request_id, prompt_token_ids, extra_keys=extra_keys, block_hashes=block_hashes)
+        vocab = self.config.vocab_size
+        if vocab is not None and max(req.prompt_token_ids) >= vocab:
+            raise ValueError(f"request {request_id!r}: token id {max(req.prompt_token_ids)} is outside the "
+                             f"model's vocabulary [0, {vocab})")
+        self.scheduler.add(Sequence(req, params or SamplingParams()))
+
+    def abort(self, request_id: str) -> bool:
+        aborted = self.scheduler.abort(request_id)
+        if aborted:
+            self.metrics.finished["abort"] = self.metrics.finished.get("abort", 0) + 1
+        return aborted
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def step(self) -> list[SequenceUpdate]:
+        """Run one step; return each request's new tokens and whether it finished. With asynchronous
+        scheduling, the step applied is the one launched by the previous call (see the module doc)."""
+        t0 = time.perf_counter()
+        waited = self.metrics.wait_time_s
+        if self._overlapping():
+            updates = self._step_overlapped()
+        elif self._inflight is not None:          # back to one step at a time: finish the one in flight
+            plan, handle = self._inflight
+            self._inflight = None
+            updates = self._collect_and_apply(plan, handle, [])
+        else:
+            updates = self._step_sync()
+        self.metrics.host_time_s += time.perf_counter() - t0 - (self.metrics.wait_time_s - waited)
+        return updates
+
+    def _overlapping(self) -> bool:
+        return (self.config.async_scheduling and getattr(self.executor, "supports_async", False)
+                and not self.scheduler.isolating)
+
+    def _step_sync(self) -> list[SequenceUpdate]:
+        plan = self.schedule()
+        if plan is None:
+            return []
+        updates = []
+        while True:
+            try:
+                output = self._wait(self.executor.execute, plan.step)
+            except Exception as exc:  # noqa: BLE001 - every failure is someone's: a request's, or the workers'
+                failed = self.isolate(plan, exc)
+                if failed is not None:
+                    updates.append(failed)
+                    continue
+                return updates + self.recover(plan)
+            return updates + self.apply(plan, output)
+
+    def _step_overlapped(self) -> list[SequenceUpdate]:
+        updates: list[SequenceUpdate] = []
+        if self._inflight is None:
+            plan = self.schedule()
+            if plan is None:
+                return []
+            self._inflight = self._launch(plan, updates)
+            if self._inflight is None:
+                return updates
+        current, handle = self._inflight
+        following = None
+        plan = self.schedule()                  # while the device runs the step in flight
+        if plan is not None:
+            following = self._launch(plan, updates, current)
+            if following is None and self._inflight is None:
+                return updates                  # the launch failed and the workers restarted
+        self._inflight = following
+        return self._collect_and_apply(current, handle, updates, following)
+
+    def _launch(self, plan: StepPlan, updates: list, inflight: StepPlan | None = None):
+        """Submit ``plan`` (again without any request the workers refuse); ``(plan, handle)``, or None after
+        a failure nobody can be blamed for (then the workers restarted and the step in flight is lost)."""
+        while True:
+            try:
+                handle = self.executor.submit(plan.step)
+            except Exception as exc:  # noqa: BLE001
+                failed = self.isolate(plan, exc)
+                if failed is not None:
+                    updates.append(failed)
+                    continue
+                self._inflight = None
+                updates += self.recover_steps([p for p in (inflight, plan) if p is not None])
+                return None
+            self.scheduler.launched(plan)
+            return plan, handle
+
+    def _collect_and_apply(self, plan: StepPlan, handle, updates: list, following=None) -> list[SequenceUpdate]:
+        try:
+            output = self._wait(self.executor.collect, handle)
+        except Exception:  # noqa: BLE001 - a step already launched cannot be retried alone: both are lost
+            self._inflight = None
+            return updates + self.recover_steps([plan] + ([following[0]] if following else []))
+        return updates + self.apply(plan, output)
+
+    def _wait(self, call, arg):
+        """``call(arg)``, counting as waiting what the executor says it waited (else the whole call)."""
+        t0 = time.perf_counter()
+        try:
+            return call(arg)
+        finally:
+            spent = time.perf_counter() - t0
+            waited = getattr(self.executor, "last_wait_s", None)
+            self.metrics.wait_time_s += spent if waited is None else min(waited, spent)
+
+    # The phases, for callers that run ``executor.execute`` off their event loop: ``schedule``, ``apply``,
+    # ``isolate``, ``blame`` and ``after_restart`` mutate state and must not overlap ``add_request`` /
+    # ``abort``; ``executor.execute`` and ``executor.restart`` touch none.
+    def schedule(self) -> StepPlan | None:
+        plan = self.scheduler.schedule()
+        if not plan.step.chunks:
+            return None
+        plan.started = time.perf_counter()
+        return plan
+
+    def apply(self, plan: StepPlan, output) -> list[SequenceUpdate]:
+        dt = time.perf_counter() - plan.started
+        if not plan.launched:
+            self.scheduler.launched(plan)
+        updates = self.scheduler.update(plan, output)
+        m = self.metrics
+        m.steps += 1
+        m.scheduled_tokens += plan.num_tokens
+        m.step_time_s += dt
+        m.last_step_time_s = dt
+        m.delta_bytes += getattr(self.executor, "last_payload_bytes", 0)
+        m.simulated_time_s += output.simulated_time_s
+        m.device_time_s += getattr(output, "device_time_s", 0.0)
+        self._count(updates)
+        return updates
+
+    def isolate(self, plan: StepPlan, exc: BaseException) -> SequenceUpdate | None:
+        """If ``exc`` names one request of the step (``RequestError``), fail it and take its chunk out of
+        the plan, which can then run again as it is; None when nobody can be blamed."""
+        error = find_request_error(exc)
+        if error is None:
+            return None
+        update = self.scheduler.drop_chunk(plan, error.request_id, error.message)
+        if update is not None:
+            self._count([update])
+        return update
+
+    def blame(self, plan: StepPlan) -> list[SequenceUpdate]:
+        """A step failed with nobody to blame: its requests become suspects (``Scheduler.blame``)."""
+        updates = self.scheduler.blame(plan, self.config.max_request_faults)
+        self._count(updates)
+        return updates
+
+    def recover(self, plan: StepPlan | None = None) -> list[SequenceUpdate]:
+        """After a failed step nobody can be blamed for: restart the workers; running requests recompute
+        from their tokens. Raises what ``executor.restart`` raises when no worker can be started."""
+        return self.recover_steps([plan] if plan is not None else [])
+
+    def recover_steps(self, plans: list[StepPlan]) -> list[SequenceUpdate]:
+        """``recover`` after losing several launched steps: each request among them is blamed once."""
+        scheduled = list({id(seq): seq for p in plans for seq in p.scheduled}.values())
+        updates = self.blame(StepPlan(StepInput(-1, []), scheduled)) if scheduled else []
+        self._inflight = None
+        self.executor.restart()
+        self.after_restart()
+        return updates
+
+    def after_restart(self) -> None:
+        self.metrics.worker_restarts += 1
+        self.metrics.recomputed_requests += self.scheduler.recompute_all()
+
+    def fail_all(self, message: str) -> list[SequenceUpdate]:
+        """Finish every request with reason "error" (no workers, shutting down)."""
+        self._inflight = None
+        updates = []
+        for rid in list(self.scheduler.sequences):
+            self.scheduler.fail(rid, "error", message)
+            updates.append(SequenceUpdate(rid, [], True, "error", error=message))
+        self._count(updates)
+        return updates
+
+    def _count(self, updates: list[SequenceUpdate]) -> None:
+        finished = self.metrics.finished
+        for u in updates:
+            if u.finished:
+                finished[u.finish_reason] = finished.get(u.finish_reason, 0) + 1
+
+    def load(self) -> dict:
+        """What a router weighs (``types.Load`` less the status): queue lengths, KV usage, prefill backlog."""
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": self.manager.usage,
+                "prefill_backlog": s.prefill_backlog}
+
+    def stats(self) -> dict:
+        """A snapshot for /metrics: queue sizes, KV usage per group, prefix hits, preemptions, timings."""
+        mgr, s, m = self.manager, self.scheduler, self.metrics
+        usable = mgr.num_blocks - 1
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "kv_usage": mgr.usage,
+            "kv_usage_per_group": [n * w / usable for n, w in zip(mgr.blocks_held_per_group(), mgr.widths)],
+            "prefix_queried_tokens": mgr.stats.queried_tokens,
+            "prefix_hit_tokens": mgr.stats.hit_tokens,
+            "prefix_hit_rate": mgr.stats.hit_rate,
+            "preemptions": s.num_preemptions,
+            "steps": m.steps,
+            "scheduled_tokens": m.scheduled_tokens,
+            "mean_step_time_s": m.step_time_s / m.steps if m.steps else 0.0,
+            "last_step_time_s": m.last_step_time_s,
+            "delta_bytes": m.delta_bytes,
+            "simulated_time_s": m.simulated_time_s,
+            "device_time_s": m.device_time_s,
+            "host_time_s": m.host_time_s,
+            "wait_time_s": m.wait_time_s,
+            "worker_restarts": m.worker_restarts,
+            "recomputed_requests": m.recomputed_requests,
+            "finished": dict(m.finished),
+            "workers": list(getattr(self.executor, "worker_names", [])),   # Ray actor names, stage order
+        }

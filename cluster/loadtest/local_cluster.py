@@ -1,0 +1,153 @@
+"""A multi-node Ray cluster on this host (Ray's ``cluster_utils.Cluster``), on loopback, that leaves no
+process behind."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+
+from cluster.ray.engine_actor import NAMESPACE
+from cluster.ray.launch import RAY_ENV
+
+ROOT = Path(__file__).resolve().parents[2]
+HEAD_RESOURCE = "swakv_head"       # pins the engine actor and the Serve replica to the head node
+
+
+class LocalCluster:
+    """A head (0 CPUs) and ``nodes - 1`` worker nodes on this host, on loopback; a context manager."""
+
+    def __init__(self, nodes: int = 3, cpus_per_node: int = 2):
+        self.nodes, self.cpus_per_node = nodes, cpus_per_node
+        self.cluster = None
+        self.worker_nodes: list = []
+        self.pids: list[int] = []
+
+    def __enter__(self) -> LocalCluster:
+        for key, value in RAY_ENV.items():
+            os.environ.setdefault(key, value)
+        # Ray's worker processes import the engine builder and the cluster package from here.
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if str(ROOT) not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), *paths]))
+        import ray
+        from ray.cluster_utils import Cluster
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already initialised in this process; the load test brings up its own cluster")
+        try:
+            with _private_address():
+                self.cluster = Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 0, "resources": {HEAD_RESOURCE: 1}, "include_dashboard": False})
+            self.worker_nodes = [self.cluster.add_node(num_cpus=self.cpus_per_node)
+                                 for _ in range(self.nodes - 1)]
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+            self.cluster.wait_for_nodes(timeout=60)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _all_pids(self) -> list[int]:
+        """The nodes' processes (GCS, raylets, agents) and every descendant (worker processes)."""
+        roots = {i.process.pid for node in [self.cluster.head_node, *self.cluster.worker_nodes]
+                 for infos in node.all_processes.values() for i in infos if i.process is not None}
+        return sorted(roots | _descendants(roots))
+
+    def __exit__(self, *exc) -> None:
+        import ray
+        try:
+            from ray import serve
+            if ray.is_initialized():
+                serve.shutdown()
+        except Exception:  # noqa: BLE001 - tearing down anyway
+            pass
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.cluster is not None:
+            self.pids = self._all_pids()
+            with _private_address():
+                self.cluster.shutdown()
+
+    def processes_left(self, wait_s: float = 10.0) -> int:
+        """How many of the cluster's processes are still alive (waiting up to ``wait_s`` for them to exit)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [pid for pid in self.pids if _alive(pid)]
+            if not alive or time.monotonic() > deadline:
+                return len(alive)
+            time.sleep(0.2)
+
+    def restore(self) -> None:
+        """Add worker nodes until there are ``nodes - 1`` again (after a node was killed), as an autoscaler would."""
+        while len(self.cluster.worker_nodes) < self.nodes - 1:
+            self.worker_nodes.append(self.cluster.add_node(num_cpus=self.cpus_per_node))
+        self.cluster.wait_for_nodes(timeout=60)
+
+    def node_index(self, node_id: str) -> int:
+        """0 for the head, i for the i-th worker node added (removed nodes keep their number)."""
+        if self.cluster.head_node.node_id == node_id:
+            return 0
+        return 1 + [n.node_id for n in self.worker_nodes].index(node_id)
+
+
+@contextlib.contextmanager
+def _private_address():
+    """Keep /tmp/ray/ray_current_cluster as it was: ``Cluster`` writes its address there (and deletes the
+    file at shutdown), and any plain ``ray.init()`` on this host would then join the load test's cluster."""
+    from ray._common.utils import get_ray_address_file
+    path = get_ray_address_file(None)
+    try:
+        with open(path, encoding="utf-8") as f:
+            before = f.read()
+    except OSError:
+        before = None
+    try:
+        yield
+    finally:
+        if before is None:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        else:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(before)
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """Every live descendant of ``roots``, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

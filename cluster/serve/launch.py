@@ -1,0 +1,134 @@
+"""Bring the service up and down: the engine actors (``cluster.ray.launch``), then the OpenAI app in front.
+
+``swakv serve`` runs ``serve_forever``; ``ray_configs/serve.yaml``'s builder and the load test build the
+same app through ``app_for``. Ctrl-C or SIGTERM first tells every in-flight request that the server is
+shutting down (``stop_serving``), then shuts down Serve and, when this process started it, the local Ray
+runtime: no Ray process is left. ``swakv serve`` runs this under a supervisor (``supervisor.py``), so that
+a stop is bounded and complete however the signal arrives.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from cluster.engine.args import EngineArgs
+from cluster.engine.types import ModelInfo
+from cluster.ray.engine_actor import NAMESPACE
+from cluster.ray.launch import engine_names, init_ray, kill_engines, shutdown_engines, start_engine_actors
+
+from .server import DEFAULT_MAX_BODY_BYTES, build_app, run
+from .supervisor import goodbye_deadline
+
+
+def app_for(info: ModelInfo, names: list[str], *, max_body_bytes: int | None = None, router: str = "prefix",
+            ray_actor_options: dict | None = None):
+    """The OpenAI app in front of the engines ``names`` (found by name when needed), described by one
+    engine's model info: its name, context length, and tokenizer (the model directory's, if it has one)."""
+    path = info.get("model_path")
+    tokenizer_dir = path if path and os.path.isdir(path) else None
+    return build_app(names, NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"],
+                     max_body_bytes or DEFAULT_MAX_BODY_BYTES, router=router, ray_actor_options=ray_actor_options)
+
+
+def deploy(info: ModelInfo, names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
+           max_body_bytes: int | None = None, router: str = "prefix", proxy_location: str | None = None,
+           ray_actor_options: dict | None = None):
+    """``app_for``, served over HTTP on ``host:port``; returns the deployment handle."""
+    app = app_for(info, names, max_body_bytes=max_body_bytes, router=router, ray_actor_options=ray_actor_options)
+    return run(app, host=host, port=port, proxy_location=proxy_location)
+
+
+def stop_serving(engine_handles: list, timeout_s: float = 30.0) -> int:
+    """Before tearing down: every engine refuses new requests and ends every stream with a "server is
+    shutting down" error; then Serve shuts down gracefully, which waits for the replicas to deliver those
+    last events; then the engines go. Returns how many requests were in flight. Bounded."""
+    in_flight = shutdown_engines(engine_handles, timeout_s)
+    _stop_serve(timeout_s)
+    kill_engines(engine_handles)
+    return in_flight
+
+
+def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
+                  num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None,
+                  data_parallel_size: int = 1, router: str = "prefix") -> int:
+    """``swakv serve``: the engines for ``args`` and the app in front, until Ctrl-C or SIGTERM."""
+    ray = init_ray(address, num_cpus, dashboard)
+    started_here = not address
+    handles = []
+
+    def _stop(signum, frame):
+        # the first Ctrl-C or SIGTERM starts the goodbyes; a second one must not cut them short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    old_sigint = signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        print(f"swakv: starting {data_parallel_size} engine replica(s) and their workers for "
+              f"{args.model} ...", flush=True)
+        started = start_engine_actors(args, data_parallel_size)   # held: a named actor lives while handles do
+        handles = [h for h, _ in started]
+        info = started[0][1]
+        deploy(info, engine_names(data_parallel_size), host=host, port=port, max_body_bytes=max_body_bytes,
+               router=router)
+        _wait_routable(host, port)
+        print(f"swakv: serving {info['model']} on http://{host}:{port}  "
+              f"({data_parallel_size} replica(s), router {router}; each {info['num_blocks']} KV units, "
+              f"{info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
+              f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{info['model']}\", \"prompt\": \"The \", \"max_tokens\": 32}}'\n"
+              + ("  dashboard: http://127.0.0.1:8265 (ray list actors, serve status)\n" if dashboard else "")
+              + "Ctrl-C stops it.", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)     # also when start-up itself failed
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        goodbye_deadline()
+        try:
+            if handles:
+                n = stop_serving(handles)
+                print(f"swakv: told {n} in-flight request(s) that the server is shutting down", file=sys.stderr)
+            else:
+                _stop_serve(timeout_s=30)
+            if started_here:
+                ray.shutdown()      # stops every process of the runtime it started
+        finally:
+            signal.signal(signal.SIGINT, old_sigint)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _wait_routable(host: str, port: int, timeout_s: float = 60.0) -> None:
+    """Announce the server only once its router follows a ready engine: the app starts following the
+    engines at its first request, so ask ``/health`` until it says ``routable`` (a first answer would
+    otherwise be a 200 with ``routable: 0``: served, but by a router that knows no replica's cache yet)."""
+    import httpx
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200 and r.json().get("routable", 0) >= 1:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    print(f"swakv: {url} did not report a routable engine within {timeout_s:.0f} s; serving anyway", file=sys.stderr)
+
+
+def _stop_serve(timeout_s: float) -> None:
+    """Remove the Serve app from a cluster we only joined; Serve's shutdown can wait on draining replicas."""
+    import threading
+
+    from ray import serve
+    t = threading.Thread(target=serve.shutdown, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"swakv: Serve did not shut down within {timeout_s:.0f} s; leaving it to the cluster", file=sys.stderr)

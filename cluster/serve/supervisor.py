@@ -1,0 +1,94 @@
+"""``swakv serve`` as a supervisor and its server: a stop is bounded and complete however the signal arrives.
+
+The server runs in a child process in a session of its own, so a signal to the terminal's or a service
+manager's process group (Ctrl-C, ``kill -TERM -PGID``, systemd's default) reaches only the supervisor,
+which passes the first one on. Without this, a group's SIGTERM also reached Ray's GCS, raylet and agents
+(they share the server's process group and block SIGINT, not SIGTERM): they died at once, under the
+server's goodbyes, which then failed ("an engine did not take the shutdown"), so requests in flight were
+never told; 30 s later the server, GCS and seven Ray workers were still running. And the main process
+killed outright left Ray's dashboard and runtime-env agents behind (children of the raylet, not of it).
+
+Now: the child's goodbyes are bounded (``GOODBYE_S``), after which it kills its whole process group
+(itself, GCS, raylet, the agents; Ray's workers, each in a process group of its own, exit when their
+raylet is gone); the supervisor sweeps that group again once the child ends. If the supervisor is killed
+outright, the kernel signals the child (``PR_SET_PDEATHSIG``, Linux), which says its goodbyes as for
+SIGTERM; Ray ties GCS and the raylet to the child the same way. Standard library only: the supervisor
+imports neither Ray nor torch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+GOODBYE_S = 20.0                  # the most a stop may take before everything left is killed (goal: 30 s)
+SUPERVISED = "SWAKV_SUPERVISED"   # set in the server process a supervisor started
+
+
+def supervised() -> bool:
+    """This process is a server a supervisor started (else ``swakv serve`` should ``supervise``)."""
+    return bool(os.environ.get(SUPERVISED))
+
+
+def supervise(argv: list[str]) -> int:
+    """Run ``python -m cluster *argv`` (the server) as a child in its own session and process group, pass
+    the first SIGINT / SIGTERM / SIGHUP on to it alone, and once it ends, kill whatever is left in its
+    group; return its exit status."""
+    parent = os.getpid()
+
+    def in_child():   # after fork, before exec: die with the supervisor, even if it is already gone
+        _die_with_parent(signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    child = subprocess.Popen([sys.executable, "-m", "cluster", *argv], env={**os.environ, SUPERVISED: "1"},
+                             start_new_session=True, preexec_fn=in_child)
+    signalled = threading.Event()
+
+    def forward(signum, frame):
+        if not signalled.is_set():   # the first one starts the goodbyes; more must not cut them short
+            signalled.set()
+            _signal(child.pid, signal.SIGTERM, group=False)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    deadline = None
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if signalled.is_set():
+                    deadline = deadline or time.monotonic() + GOODBYE_S + 5
+                    if time.monotonic() > deadline:   # the child's own bound failed: end it all now
+                        _signal(child.pid, signal.SIGKILL)
+    finally:
+        _signal(child.pid, signal.SIGKILL)   # what it left behind in its group, if anything
+    return 0 if code == -signal.SIGTERM and signalled.is_set() else code
+
+
+def goodbye_deadline() -> None:
+    """In a supervised server, once its goodbyes start: if they are not over in ``GOODBYE_S``, kill its whole
+    process group (the server, GCS, raylet, the agents). The group is the server's own only when supervised."""
+    if supervised() and os.getpgrp() == os.getpid():
+        timer = threading.Timer(GOODBYE_S, os.killpg, (os.getpgrp(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+
+
+def _signal(pid: int, sig: int, group: bool = True) -> None:
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _die_with_parent(sig: int) -> None:
+    """Linux: the kernel sends ``sig`` to this process when its parent ends (prctl PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)   # 1: PR_SET_PDEATHSIG

@@ -1,0 +1,79 @@
+"""EngineArgs: the one description of an engine, checked once, that the CLI, the Serve config, the load
+test and LLM all build. A bad value is named before anything loads or starts."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cluster.cli import build_parser, main
+from cluster.engine.args import EngineArgs
+from cluster.engine.build import build_engine
+from cluster.loadtest.config import LoadTestConfig
+from cluster.serve.builder import build
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"block_size": 0}, "block_size must be an integer >= 1, got 0"),
+    ({"tensor_parallel_size": True}, "tensor_parallel_size must be an integer >= 1, got True"),
+    ({"num_blocks": 1}, "num_blocks must be an integer >= 2, got 1"),
+    ({"kv_cache_memory": "2GiB"}, "kv_cache_memory must be an integer >= 1, got '2GiB'"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be true or false, got 'yes'"),
+    ({"num_gpus_per_worker": -1}, "num_gpus_per_worker must be a finite number >= 0, got -1"),
+    ({"simulated_gpu": "B200"}, "unknown GPU 'B200'; known: H100-80GB, H200, A100-80GB, L40S"),
+    ({"model": 42}, "model must be a model directory, a model name or a loaded model, got 42"),
+])
+def test_a_bad_engine_argument_is_named(changes, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**changes)
+
+
+def test_a_config_file_key_that_is_no_engine_argument_is_named():
+    with pytest.raises(ValueError, match="unknown engine argument\\(s\\) 'blok_size'; known: async_scheduling, "):
+        EngineArgs.from_dict({"model": "default", "blok_size": 16})
+    assert EngineArgs.from_dict({"block_size": 32}) == EngineArgs(block_size=32)
+
+
+def test_build_engine_takes_engine_args_or_the_model_and_their_fields():
+    engine, info = build_engine(EngineArgs(model="tiny-llama", block_size=4, num_blocks=40))
+    assert (engine.manager.num_blocks, info["block_size"], info["model"]) == (40, 4, "tiny-llama")
+    engine, info = build_engine("tiny-llama", block_size=4, num_blocks=40)
+    assert (engine.manager.num_blocks, info["block_size"]) == (40, 4)
+    with pytest.raises(TypeError, match="blok_size"):
+        build_engine("tiny-llama", blok_size=4)
+
+
+def test_every_documented_field_is_a_serve_flag_with_its_default():
+    parser = build_parser()
+    args = parser.parse_args(["serve"])
+    documented = [f for f in dataclasses.fields(EngineArgs) if f.metadata.get("help")]
+    assert {f.name for f in documented} >= {"model", "tensor_parallel_size", "block_size", "kv_cache_memory",
+                                             "enable_prefix_caching", "simulated_gpu"}
+    assert EngineArgs(**{f.name: getattr(args, f.name) for f in documented}) == EngineArgs()
+    args = parser.parse_args(["serve", "--block-size", "32", "--no-prefix-caching", "--kv-cache-memory", "2GiB",
+                              "--num-gpus-per-worker", "0.5", "--simulated-gpu", "H200"])
+    engine = EngineArgs(**{f.name: getattr(args, f.name) for f in documented})
+    assert (engine.block_size, engine.enable_prefix_caching, engine.kv_cache_memory, engine.num_gpus_per_worker,
+            engine.simulated_gpu) == (32, False, 2 << 30, 0.5, "H200")
+
+
+def test_serve_refuses_a_bad_engine_argument_before_starting_anything(capsys):
+    assert main(["serve", "--num-gpus-per-worker", "-1"]) == 2
+    assert "swakv serve: error: num_gpus_per_worker must be a finite number >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_the_serve_config_builder_refuses_a_bad_engine_argument_before_starting_anything():
+    with pytest.raises(ValueError, match="unknown engine argument\\(s\\) 'blok_size'"):
+        build({"model": "default", "blok_size": 16})
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1, got 0"):
+        build({"model": "default", "max_num_seqs": 0})
+
+
+def test_the_load_test_builds_one_engine_args_per_layout():
+    cfg = LoadTestConfig(model="gemma-3-27b", gpu="H200", pipeline_parallel_size=2, kv_memory=1 << 30)
+    window_aware, as_full = cfg.engine_args("window_aware"), cfg.engine_args("sliding_as_full")
+    assert window_aware.replace(sliding_as_full=True) == as_full
+    assert (window_aware.simulated_gpu, window_aware.pipeline_parallel_size, window_aware.kv_cache_memory,
+            window_aware.spread_stages) == ("H200", 2, 1 << 30, True)
+    real = LoadTestConfig(model="default", real=True, pipeline_parallel_size=1, kv_memory=None)
+    assert real.engine_args("window_aware").simulated_gpu is None

@@ -1,0 +1,235 @@
+"""The shared-memory broadcast ring (``workers/shm_channel.py``): every reader gets every message in order,
+whatever its size; an idle reader sleeps and wakes for the next message; a dead, detached or silent
+peer is an error, never a hang; closing leaves nothing in /dev/shm. Readers and writers run in real
+processes (spawned), as engine and workers do."""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from workers.shm_channel import ChannelClosed, ChannelError, ChannelTimeout, ShmBroadcast, ShmReader
+
+CTX = mp.get_context("spawn")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _digest(data: bytes) -> tuple[int, str]:
+    return len(data), hashlib.sha1(data).hexdigest()
+
+
+def _collect(handle, index: int, count: int, out) -> None:
+    with ShmReader(handle, index, poll_s=0.05) as reader:
+        out.put((index, [_digest(reader.recv(timeout=60)) for _ in range(count)]))
+
+
+def _echo_forever(handle, out) -> None:
+    reader = ShmReader(handle, 0, poll_s=0.05)
+    out.put("attached")
+    while True:
+        out.put(_digest(reader.recv()))
+
+
+def _write_then_hang(out) -> None:
+    writer = ShmBroadcast(1, slots=2, slot_bytes=64)
+    out.put(writer.handle)
+    time.sleep(600)
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("swakv-")}
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _wait_for(predicate, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def _stop(*procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def test_three_readers_in_other_processes_get_every_message_in_order_across_wraps_and_fragments():
+    rng = random.Random(7)
+    messages = [rng.randbytes(rng.choice([0, 1, 8, 1023, 1024, 1025, rng.randrange(3 * 1024)])) for _ in range(300)]
+    out = CTX.Queue()
+    with ShmBroadcast(3, slots=4, slot_bytes=1024, poll_s=0.05) as writer:
+        readers = [CTX.Process(target=_collect, args=(writer.handle, i, len(messages), out)) for i in range(3)]
+        for p in readers:
+            p.start()
+        try:
+            for m in messages:
+                writer.send(m, timeout=60)
+            got = dict(out.get(timeout=60) for _ in readers)
+        finally:
+            _stop(*readers)
+    expected = [_digest(m) for m in messages]
+    assert got == {0: expected, 1: expected, 2: expected}
+
+
+def test_messages_larger_than_the_ring_stream_through_it_whole():
+    sizes = [5 << 20, 4 * 4096, 4096, 4095, 0, 3 * 4096 + 1]
+    messages = [random.Random(s).randbytes(s) for s in sizes]
+    out = CTX.Queue()
+    with ShmBroadcast(2, slots=4, slot_bytes=4096, poll_s=0.05) as writer:
+        readers = [CTX.Process(target=_collect, args=(writer.handle, i, len(messages), out)) for i in range(2)]
+        for p in readers:
+            p.start()
+        try:
+            for m in messages:
+                writer.send(m, timeout=60)
+            got = dict(out.get(timeout=60) for _ in readers)
+        finally:
+            _stop(*readers)
+    expected = [_digest(m) for m in messages]
+    assert got == {0: expected, 1: expected}
+
+
+def test_an_idle_reader_sleeps_without_burning_cpu_and_wakes_for_the_next_message():
+    out = CTX.Queue()
+    with ShmBroadcast(1, slots=4, slot_bytes=256, poll_s=0.05) as writer:
+        reader = CTX.Process(target=_echo_forever, args=(writer.handle, out))
+        reader.start()
+        try:
+            assert out.get(timeout=60) == "attached"
+            writer.send(b"first", timeout=10)
+            assert out.get(timeout=10) == _digest(b"first")
+            assert _wait_for(lambda: writer.readers_sleeping() == [True])
+            cpu0 = _cpu_s(reader.pid)
+            time.sleep(2.0)
+            idle_cpu = _cpu_s(reader.pid) - cpu0
+            writer.send(b"after a while", timeout=10)
+            assert out.get(timeout=10) == _digest(b"after a while")
+        finally:
+            _stop(reader)
+    assert idle_cpu <= 0.2    # a polling reader would have used about 2 s of CPU in those 2 s
+
+
+def test_a_reader_that_dies_makes_send_raise_naming_it_instead_of_waiting():
+    out = CTX.Queue()
+    with ShmBroadcast(2, slots=2, slot_bytes=64, poll_s=0.05) as writer:
+        readers = [CTX.Process(target=_echo_forever, args=(writer.handle, out)) for _ in range(1)]
+        alive = ShmReader(writer.handle, 1)
+        readers[0].start()
+        try:
+            assert out.get(timeout=60) == "attached"
+            pid = readers[0].pid
+            os.kill(pid, signal.SIGKILL)
+            readers[0].join(10)
+            writer.send(b"a", timeout=30)
+            writer.send(b"b", timeout=30)       # the ring holds two: both fit whatever the readers do
+            alive.recv(timeout=5), alive.recv(timeout=5)
+            with pytest.raises(ChannelError, match=rf"reader 0 \(pid {pid}\) died"):
+                writer.send(b"c", timeout=30)
+        finally:
+            alive.close()
+            _stop(*readers)
+
+
+def test_a_reader_that_detached_makes_send_raise_and_a_silent_one_times_out():
+    with ShmBroadcast(2, slots=2, slot_bytes=64, poll_s=0.05) as writer:
+        first, second = ShmReader(writer.handle, 0), ShmReader(writer.handle, 1)
+        writer.send(b"1")
+        writer.send(b"2")
+        assert second.recv(timeout=1) == b"1" and second.recv(timeout=1) == b"2"
+        with pytest.raises(ChannelTimeout, match=r"reader\(s\) \[0\] did not read for the timeout; their pids"):
+            writer.send(b"3", timeout=0.3)
+        first.close()
+        with pytest.raises(ChannelError, match="reader 0 .* detached with messages unread"):
+            writer.send(b"3", timeout=30)
+        second.close()
+
+
+def test_a_reader_that_never_attached_is_named_when_send_times_out():
+    with ShmBroadcast(2, slots=2, slot_bytes=64) as writer:
+        with ShmReader(writer.handle, 1) as present:
+            writer.send(b"1")
+            writer.send(b"2")
+            assert present.recv(timeout=1) == b"1" and present.recv(timeout=1) == b"2"
+            with pytest.raises(ChannelTimeout, match=r"reader\(s\) \[0\] did not read .*\(\[0\] never attached\)"):
+                writer.send(b"3", timeout=0.3)
+
+
+def test_recv_times_out_when_nothing_comes_and_the_channel_stays_usable():
+    with ShmBroadcast(1, slots=2, slot_bytes=64) as writer:
+        with ShmReader(writer.handle, 0) as reader:
+            t0 = time.monotonic()
+            with pytest.raises(ChannelTimeout, match="no message"):
+                reader.recv(timeout=0.2)
+            assert time.monotonic() - t0 < 5
+            writer.send(b"late")
+            assert reader.recv(timeout=5) == b"late"
+
+
+def test_a_writer_that_dies_makes_recv_raise_and_its_segment_is_reclaimed():
+    out = CTX.Queue()
+    writer = CTX.Process(target=_write_then_hang, args=(out,))
+    writer.start()
+    try:
+        handle = out.get(timeout=60)
+        reader = ShmReader(handle, 0, poll_s=0.05)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        with pytest.raises(ChannelError, match=rf"the writer \(pid {writer.pid}\) died"):
+            reader.recv(timeout=30)
+        reader.close()
+    finally:
+        _stop(writer)
+    assert handle.name not in _segments()     # the reader that saw the writer die unlinked its segment
+
+
+def test_close_unlinks_the_segment_readers_drain_then_see_closed_and_nothing_is_left_in_dev_shm():
+    before = _segments()
+    writer = ShmBroadcast(2, slots=4, slot_bytes=64)
+    readers = [ShmReader(writer.handle, i) for i in range(2)]
+    for m in (b"x", b"y" * 100, b""):
+        writer.send(m)
+    writer.close()
+    assert writer.handle.name not in _segments()
+    for r in readers:
+        assert [r.recv(timeout=1) for _ in range(3)] == [b"x", b"y" * 100, b""]
+        with pytest.raises(ChannelClosed):
+            r.recv(timeout=1)
+        r.close()
+    with pytest.raises(ChannelError, match="does not exist"):
+        ShmReader(writer.handle, 0)
+    with pytest.raises(ChannelError, match="closed"):
+        writer.send(b"z")
+    for _ in range(10):
+        with ShmBroadcast(3, slots=2, slot_bytes=64) as w:
+            ShmReader(w.handle, 2).close()
+    assert _segments() == before
+
+
+def test_bad_arguments_are_refused_before_any_segment_exists():
+    before = _segments()
+    for kwargs in (dict(num_readers=0), dict(num_readers=1, slots=1), dict(num_readers=1, slot_bytes=12),
+                   dict(num_readers=True), dict(num_readers=1, spin_s=-1.0), dict(num_readers=1, poll_s=0)):
+        with pytest.raises(ValueError):
+            ShmBroadcast(**kwargs)
+    assert _segments() == before
+    with ShmBroadcast(2, slots=2, slot_bytes=64) as writer:
+        with pytest.raises(ValueError, match=r"reader index must lie in \[0, 2\)"):
+            ShmReader(writer.handle, 2)
+        first = ShmReader(writer.handle, 0)
+        with pytest.raises(ChannelError, match="reader 0 is attached already"):
+            ShmReader(writer.handle, 0)
+        first.close()

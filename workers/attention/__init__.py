@@ -1,0 +1,5 @@
+"""Window-aware paged attention over the block-table KV cache: the torch backend and the K/V write in
+``paged``, the Triton kernel in ``triton_paged``. ``from workers.attention import paged_attention``."""
+from .paged import BACKEND_ENV, BACKENDS, first_key_position, paged_attention, select_backend, store_kv
+
+__all__ = ["BACKEND_ENV", "BACKENDS", "first_key_position", "paged_attention", "select_backend", "store_kv"]

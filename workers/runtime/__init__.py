@@ -1,0 +1,2 @@
+"""The device runtime: one pipeline stage of a model on one device (``worker``), its block-table mirrors,
+step inputs, sampler and decode CUDA graphs. Runs without Ray; ``cluster.ray`` wraps it in an actor."""

@@ -1,0 +1,382 @@
+"""A shared-memory broadcast ring: one writer, N readers on one host, that sleeps when idle.
+
+The engine's step goes to every worker of a node through this ring instead of through Ray: the writer
+copies a message into the ring once and every reader copies it out; the only system calls are wake-ups
+of readers that went to sleep. Ray's Compiled Graph channels wait by polling (a core per reader at 100%
+while the server is idle); these readers spin for at most ``spin_s`` after a message, then sleep on a
+socket until the writer wakes them.
+
+Layout (native 64-bit words): a header (magic, sizes, the count of fragments written, closed flag,
+writer pid, writer-waiting flag), per reader (fragments read, sleeping flag, pid, state), then ``slots``
+slots of a 2-word fragment header (length, last-fragment flag) and ``slot_bytes`` of data. A message
+larger than a slot travels as consecutive fragments; one larger than the ring streams through it, the
+writer waiting for space. A slot is overwritten only once every reader has read it.
+
+Ordering across processes rests on two facts: a counter is one aligned 8-byte store (memoryview of
+"Q"), written after the data it publishes (x86-64 keeps stores in order); and between storing a
+counter or a flag and reading the other side's, each side passes a full barrier (``_fence``: a lock's
+acquire and release are atomic read-modify-writes), so a writer and a reader never both miss each
+other's store (no lost wake-up). Sleeps are bounded by ``poll_s`` anyway, at which a sleeper checks that
+the other side is alive.
+
+Wake-ups are 1-byte datagrams on Linux abstract-namespace Unix sockets named after the segment: nothing
+to pass between processes, nothing left on disk. Errors are raised, never waited out: a reader that
+died, detached or lags past ``timeout`` makes ``send`` raise naming it; a writer that died makes
+``recv`` raise (and unlink the segment, which the writer can no longer do; the writer's resource
+tracker would too, and says so if it finds the name gone); ``recv`` after the writer closed raises
+``ChannelClosed`` once the ring is drained. Linux only (abstract sockets, /dev/shm).
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+MAGIC = 0x53574B5652494E47          # "SWKVRING"
+HEADER_WORDS = 8                    # magic, readers, slots, slot_bytes, written, closed, writer pid, writer waiting
+READER_WORDS = 4                    # read, sleeping, pid, state
+SLOT_HEADER_BYTES = 16              # fragment length, last flag
+LAST = 1
+ATTACHED, DETACHED = 1, 2
+
+
+class ChannelError(RuntimeError):
+    """The other side is gone or the channel cannot be used."""
+
+
+class ChannelClosed(ChannelError):
+    """The writer closed the channel and every message was read."""
+
+
+class ChannelTimeout(ChannelError, TimeoutError):
+    """Nothing moved within the timeout (the message says who was waited for)."""
+
+
+@dataclass(frozen=True)
+class ChannelHandle:
+    """What a reader needs to attach (picklable: send it to the reader's process)."""
+
+    name: str
+    num_readers: int
+    slots: int
+    slot_bytes: int
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a zombie (killed, not yet reaped) has exited
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: acquiring and releasing a lock are atomic read-modify-writes."""
+    _FENCE.acquire()
+    _FENCE.release()
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        pass
+
+
+def _address(name: str, who: str) -> bytes:
+    return f"\0swakv-shm/{name}/{who}".encode()
+
+
+class _Ring:
+    """The mapped segment and its word view; shared by both ends. ``owner``: the writer's
+    ``SharedMemory`` (registered with its process's resource tracker, which unlinks it if the writer
+    dies), else None: a reader maps the segment itself, so no tracker of its own ever unlinks it."""
+
+    def __init__(self, handle: ChannelHandle, owner: shared_memory.SharedMemory | None = None):
+        self.handle, self.owner = handle, owner
+        if owner is not None:
+            self._map, self.buf = None, owner.buf
+        else:
+            try:
+                fd = os.open(f"/dev/shm/{handle.name}", os.O_RDWR)
+            except FileNotFoundError:
+                raise ChannelError(f"channel {handle.name} does not exist (closed, or never created)") from None
+            try:
+                self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self.buf = memoryview(self._map)
+        self.words = self.buf.cast("Q")
+        self.stride = SLOT_HEADER_BYTES + handle.slot_bytes
+        self.slots_at = 8 * (HEADER_WORDS + READER_WORDS * handle.num_readers)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+
+    @staticmethod
+    def size(num_readers: int, slots: int, slot_bytes: int) -> int:
+        return 8 * (HEADER_WORDS + READER_WORDS * num_readers) + slots * (SLOT_HEADER_BYTES + slot_bytes)
+
+    def reader_word(self, reader: int, field: int) -> int:
+        return HEADER_WORDS + READER_WORDS * reader + field
+
+    def drain(self) -> None:
+        """Read pending wake-ups, so that the next sleep waits for a new one."""
+        while True:
+            try:
+                self.sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return
+
+    def sleep(self, seconds: float) -> None:
+        self.sock.settimeout(max(seconds, 1e-4))
+        try:
+            self.sock.recv(64)
+        except (TimeoutError, socket.timeout):
+            pass
+        finally:
+            self.sock.setblocking(False)
+
+    def wake(self, who: str) -> None:
+        try:
+            self.sock.sendto(b"w", _address(self.handle.name, who))
+        except (ConnectionRefusedError, FileNotFoundError, BlockingIOError):
+            pass   # not listening yet (it will see the counter), or already has wake-ups queued
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.EAGAIN):
+                raise
+
+    def release(self) -> None:
+        self.sock.close()
+        self.words.release()
+        if self.owner is not None:
+            self.owner.close()
+        else:
+            self.buf.release()
+            self._map.close()
+        self.buf = self.words = None
+
+
+class ShmBroadcast:
+    """The writing end: ``send(bytes)`` reaches every reader, in order. Create it, hand ``handle`` to the
+    readers' processes, ``close()`` when done (unlinks the segment)."""
+
+    def __init__(self, num_readers: int, *, slots: int = 8, slot_bytes: int = 64 << 10, spin_s: float = 1e-4,
+                 poll_s: float = 1.0):
+        for what, value, low in (("num_readers", num_readers, 1), ("slots", slots, 2), ("slot_bytes", slot_bytes, 8)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+        if slot_bytes % 8:
+            raise ValueError(f"slot_bytes must be a multiple of 8, got {slot_bytes}")
+        if not (spin_s >= 0 and poll_s > 0):
+            raise ValueError(f"spin_s must be >= 0 and poll_s > 0, got {spin_s!r}, {poll_s!r}")
+        name = f"swakv-{os.getpid()}-{secrets.token_hex(4)}"
+        self.handle = ChannelHandle(name, num_readers, slots, slot_bytes)
+        shm = shared_memory.SharedMemory(name, create=True, size=_Ring.size(num_readers, slots, slot_bytes))
+        self._ring = _Ring(self.handle, owner=shm)
+        w = self._ring.words
+        w[1], w[2], w[3], w[6] = num_readers, slots, slot_bytes, os.getpid()
+        w[0] = MAGIC
+        self._ring.sock.bind(_address(name, "w"))
+        self.spin_s, self.poll_s = spin_s, poll_s
+        self.closed = False
+
+    def send(self, data: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        """Publish ``data`` to every reader; waits (spinning, then sleeping) while the slowest reader is a
+        ring behind. Raises ``ChannelError`` if a reader died or detached, ``ChannelTimeout`` after
+        ``timeout`` seconds without room."""
+        if self.closed:
+            raise ChannelError("send on a closed channel")
+        ring, h = self._ring, self.handle
+        view = memoryview(data).cast("B")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        offset, total = 0, len(view)
+        while True:
+            size = min(h.slot_bytes, total - offset)
+            seq = ring.words[4]
+            self._wait_for_room(seq, deadline)
+            at = ring.slots_at + (seq % h.slots) * ring.stride
+            ring.buf[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + size] = view[offset:offset + size]
+            slot = at // 8
+            offset += size
+            ring.words[slot] = size
+            ring.words[slot + 1] = LAST if offset >= total else 0
+            ring.words[4] = seq + 1          # publish
+            _fence()                         # before reading the sleeping flags
+            for r in range(h.num_readers):
+                if ring.words[ring.reader_word(r, 1)]:
+                    ring.wake(f"r{r}")
+            if offset >= total:
+                return
+
+    def _wait_for_room(self, seq: int, deadline: float | None) -> None:
+        ring, h = self._ring, self.handle
+        words, reads = ring.words, [ring.reader_word(r, 0) for r in range(h.num_readers)]
+        if seq - min(words[i] for i in reads) < h.slots:
+            return
+        spin_until = time.monotonic() + self.spin_s
+        while time.monotonic() < spin_until:
+            if seq - min(words[i] for i in reads) < h.slots:
+                return
+        while True:
+            words[7] = 1
+            _fence()
+            ring.drain()
+            if seq - min(words[i] for i in reads) < h.slots:
+                words[7] = 0
+                return
+            self._check_readers(seq)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                words[7] = 0
+                lagging = [r for r, i in enumerate(reads) if seq - words[i] >= h.slots]
+                absent = [r for r in lagging if words[ring.reader_word(r, 3)] != ATTACHED]
+                raise ChannelTimeout(f"channel {h.name}: reader(s) {lagging} did not read for the timeout"
+                                     + (f" ({absent} never attached)" if absent else "")
+                                     + f"; their pids {[words[ring.reader_word(r, 2)] for r in lagging]}")
+            ring.sleep(self.poll_s if deadline is None else min(self.poll_s, deadline - now))
+
+    def _check_readers(self, seq: int) -> None:
+        ring, h = self._ring, self.handle
+        for r in range(h.num_readers):
+            if seq - ring.words[ring.reader_word(r, 0)] < h.slots:
+                continue
+            state, pid = ring.words[ring.reader_word(r, 3)], ring.words[ring.reader_word(r, 2)]
+            if state == DETACHED:
+                raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) detached with messages unread")
+            if state == ATTACHED and not _alive(pid):
+                raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) died")
+
+    def readers_sleeping(self) -> list[bool]:
+        ring = self._ring
+        return [bool(ring.words[ring.reader_word(r, 1)]) for r in range(self.handle.num_readers)]
+
+    def close(self) -> None:
+        """Readers get what was sent, then ``ChannelClosed``; the segment is unlinked now (readers keep
+        their mapping until they close)."""
+        if self.closed:
+            return
+        self.closed = True
+        ring = self._ring
+        ring.words[5] = 1
+        _fence()
+        for r in range(self.handle.num_readers):
+            ring.wake(f"r{r}")
+        shm = ring.owner
+        ring.release()
+        shm.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ShmReader:
+    """Reader ``index`` of a broadcast ring (attach in the reader's own process)."""
+
+    def __init__(self, handle: ChannelHandle, index: int, *, spin_s: float = 1e-4, poll_s: float = 1.0):
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < handle.num_readers:
+            raise ValueError(f"reader index must lie in [0, {handle.num_readers}), got {index!r}")
+        if not (spin_s >= 0 and poll_s > 0):
+            raise ValueError(f"spin_s must be >= 0 and poll_s > 0, got {spin_s!r}, {poll_s!r}")
+        ring = _Ring(handle)
+        w = ring.words
+        if (w[0], w[1], w[2], w[3]) != (MAGIC, handle.num_readers, handle.slots, handle.slot_bytes):
+            ring.release()
+            raise ChannelError(f"channel {handle.name}: the segment does not match its handle")
+        holder = w[ring.reader_word(index, 2)]
+        if w[ring.reader_word(index, 3)] == ATTACHED and _alive(holder):
+            ring.release()
+            raise ChannelError(f"channel {handle.name}: reader {index} is attached already (pid {holder})")
+        ring.sock.bind(_address(handle.name, f"r{index}"))
+        w[ring.reader_word(index, 2)] = os.getpid()
+        w[ring.reader_word(index, 3)] = ATTACHED
+        self.handle, self.index, self._ring = handle, index, ring
+        self._read, self._sleeping = ring.reader_word(index, 0), ring.reader_word(index, 1)
+        self.spin_s, self.poll_s = spin_s, poll_s
+        self.closed = False
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        """The next message. Raises ``ChannelClosed`` once the writer closed and all was read,
+        ``ChannelError`` if the writer died, ``ChannelTimeout`` after ``timeout`` seconds without one."""
+        if self.closed:
+            raise ChannelError("recv on a closed reader")
+        ring, h = self._ring, self.handle
+        words = ring.words
+        deadline = None if timeout is None else time.monotonic() + timeout
+        parts = []
+        while True:
+            seq = words[self._read]
+            if words[4] == seq:
+                self._wait(seq, deadline)
+            at = ring.slots_at + (seq % h.slots) * ring.stride
+            size, flags = words[at // 8], words[at // 8 + 1]
+            parts.append(bytes(ring.buf[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + size]))
+            words[self._read] = seq + 1      # the slot is free for the writer
+            _fence()                         # before reading the writer's waiting flag
+            if words[7]:
+                ring.wake("w")
+            if flags & LAST:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _wait(self, seq: int, deadline: float | None) -> None:
+        ring, words = self._ring, self._ring.words
+        spin_until = time.monotonic() + self.spin_s
+        while time.monotonic() < spin_until:
+            if words[4] != seq:
+                return
+        while True:
+            words[self._sleeping] = 1
+            _fence()                          # between the flag and the counter (see the docstring)
+            ring.drain()
+            if words[4] != seq:
+                words[self._sleeping] = 0
+                return
+            if words[5]:
+                words[self._sleeping] = 0
+                raise ChannelClosed(f"channel {self.handle.name} was closed by its writer")
+            if not _alive(words[6]):
+                words[self._sleeping] = 0
+                _unlink(self.handle.name)     # nobody else will: the name must not outlive the writer
+                raise ChannelError(f"channel {self.handle.name}: the writer (pid {words[6]}) died")
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                words[self._sleeping] = 0
+                raise ChannelTimeout(f"channel {self.handle.name}: no message for the timeout (reader {self.index})")
+            ring.sleep(self.poll_s if deadline is None else min(self.poll_s, deadline - now))
+
+    def close(self) -> None:
+        """Detach: a writer waiting on this reader then raises instead of waiting."""
+        if self.closed:
+            return
+        self.closed = True
+        ring = self._ring
+        ring.words[ring.reader_word(self.index, 3)] = DETACHED
+        ring.words[self._sleeping] = 0
+        if ring.words[7]:
+            ring.wake("w")
+        ring.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
