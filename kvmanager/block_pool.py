@@ -79,6 +79,14 @@ class BlockPool:
     def take(self, n: int, group: int) -> list[Block]:
         """``n`` blocks for ``group``, each forgetting what it cached (callers checked the units suffice)."""
         width = self.widths[group]
+        if n == 1 and width == 1:          # the decode path: one unit, while never-used ones are left
+            block = self.free.pop_empty_unit()
+            if block is not None:
+                if block.block_hash is not None:
+                    self._uncache(block)
+                block.ref_cnt = 1
+                block.shared = False
+                return [block]
         if n * width > self.free.num_free_units:
             raise RuntimeError(f"asked for {n} blocks of {width} units, {self.free.num_free_units} units free")
         out = []

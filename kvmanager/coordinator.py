@@ -83,6 +83,7 @@ class GroupCoordinator:
         # Per running request: itself, below which (slots, cacheable, computed) a step changes nothing, and
         # the same per group.
         self.quiet: dict[str, tuple] = {}
+        self.token_cap = NEVER    # the manager's max_model_len + 1: the cacheable threshold never exceeds it
 
     def hit_length(self, request: Request, max_tokens: int) -> int:
         """The largest hit every group accepts (``HitRule``), a multiple of ``alignment``, at most
@@ -167,7 +168,55 @@ class GroupCoordinator:
                 cacheable = b
             if c < computed:
                 computed = c
-        self.quiet[rid] = (request, slots, cacheable, computed, changed)
+        cap = self.token_cap
+        self.quiet[rid] = (request, slots, cacheable if cacheable < cap else cap, computed, changed)
+        return tuple(out)
+
+    def step(self, request: Request, num_computed: int, num_slots: int, num_cacheable: int,
+             quiet: tuple) -> tuple[list[int], ...] | None:
+        """``allocate`` for a running request's step without a hit (the decode path) whose thresholds
+        (``quiet``) say some group has work: the same checks and changes, done per group in one pass."""
+        limits = quiet[4]
+        groups = self.groups
+        rid = request.request_id
+        new = None
+        need = 0
+        for g, lim in zip(groups, limits):
+            if num_slots > lim[0]:              # blocks past the table's end (``num_new_blocks``)
+                n = -(-num_slots // g.block_size) - len(g.tables[rid])
+                if n > 0:
+                    if new is None:
+                        new = [0] * len(groups)
+                    new[g.group_id] = n
+                    need += n * g.width
+        free = self.pool.free
+        if need > free.num_free_units:       # short unless the drop frees enough
+            need -= sum(g.num_freed_by_drop(rid, num_computed) * g.width for g in self._dropping)
+            if need > free.num_free_units:
+                return None
+        for g in self._dropping:
+            if num_computed >= limits[g.group_id][2]:
+                g.drop(request, num_computed)
+        out = []
+        changed = []
+        slots = cacheable = computed = NEVER
+        for g, lim in zip(groups, limits):
+            n = new[g.group_id] if new is not None else 0
+            if not n and num_cacheable < lim[1] and num_computed < lim[2]:
+                out.append([])
+            else:
+                added, lim = g.step(request, n, num_cacheable)
+                out.append(added)
+            changed.append(lim)
+            a, b, c = lim
+            if a < slots:
+                slots = a
+            if b < cacheable:
+                cacheable = b
+            if c < computed:
+                computed = c
+        cap = self.token_cap
+        self.quiet[rid] = (request, slots, cacheable if cacheable < cap else cap, computed, changed)
         return tuple(out)
 
     def _admitted(self, request: Request, hit: int) -> None:

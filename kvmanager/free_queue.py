@@ -294,6 +294,18 @@ class FreeQueue:
             self.floor.trim(self.lru_units)
         return out
 
+    def pop_empty_unit(self):
+        """The front loose unit of the empty tier (holding nothing), or None: ``take`` of a width-1 kind
+        while there is one, without its generality."""
+        empty = self._tiers[EMPTY]
+        if not empty.loose:
+            return None
+        self.fresh = True
+        unit = empty.loose.popitem(last=False)[1]
+        empty.units -= 1
+        self.num_free_units -= 1
+        return unit
+
     def _take(self, kind: int) -> list:
         k = self.widths[kind]
         tiers = self._tiers

@@ -139,6 +139,32 @@ class KVCacheGroup:
                 self._cache_full_blocks(request, table, end)
         return added
 
+    def step(self, request: Request, num_new: int, num_cacheable: int) -> tuple[list[int], tuple[int, int, int]]:
+        """``append`` without a hit for a running request, then ``quiet_until``: the decode path's work in
+        one call (the ids appended, the new thresholds)."""
+        rid = request.request_id
+        table = self.tables[rid]
+        if num_new:
+            blocks = self.pool.take(num_new, self.group_id)
+            self.num_held += num_new
+            table.extend(blocks)
+            added = [b.block_id for b in blocks]
+        else:
+            added = []
+        bs = self.block_size
+        if self.enable_caching:
+            n = len(request.all_token_ids)
+            end = (num_cacheable if num_cacheable < n else n) // bs
+            cached = self._num_cached[rid]
+            if end > cached:
+                self._cache_full_blocks(request, table, end)
+                cached = end
+            cache_at = (cached + 1) * bs
+        else:
+            cache_at = NEVER
+        drop_at = self.spec.computed_to_reach((self._num_dropped[rid] + 1) * bs) if self.drops else NEVER
+        return added, (len(table) * bs, cache_at, drop_at)
+
     def _cache_full_blocks(self, request: Request, table: list[Block], end: int) -> None:
         """Enter blocks ``[num_cached, end)``, full of known tokens once this step runs, into the cache."""
         rid = request.request_id

@@ -64,6 +64,7 @@ class KVCacheManager:
         self._no_hit = self.coordinator.no_hit
         self._quiet = self.coordinator.quiet
         self._nothing = self.coordinator.nothing
+        self.coordinator.token_cap = max_model_len + 1
         self.stats = CacheStats()
         self._running: dict[str, Request] = {}
 
@@ -150,13 +151,14 @@ class KVCacheManager:
                 and num_new_tokens >= 0 and num_lookahead_tokens >= 0):
             num_computed = request.num_computed_tokens
             num_tokens = num_computed + num_new_tokens
+            num_slots = num_tokens + num_lookahead_tokens
+            # quiet[2] is at most max_model_len + 1: below it, num_tokens is within the limit too
+            if num_tokens < quiet[2] and num_slots <= quiet[1] and num_computed < quiet[3]:
+                return self._nothing()
             limit = self.max_model_len
             if num_tokens <= limit:            # a running request, checked: straight to the coordinator
-                num_slots = num_tokens + num_lookahead_tokens
-                if num_slots <= quiet[1] and num_tokens < quiet[2] and num_computed < quiet[3]:
-                    return self._nothing()
-                return self.coordinator.allocate(request, num_computed, num_slots if num_slots < limit else limit,
-                                                 num_tokens, self._no_hit)
+                return self.coordinator.step(request, num_computed, num_slots if num_slots < limit else limit,
+                                             num_tokens, quiet)
         if type(request) is not Request or request.finished:  # noqa: E721 (the per-step path, checked cheaply)
             self._check_request(request)
         rid = request.request_id
