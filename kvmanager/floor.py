@@ -28,7 +28,8 @@ real pool still lacks what the tiers evicted before the switch and LRU kept: tha
 within one turnover of the free pool. Each write-off is one such overshoot, and needs a stretch in which
 LRU itself served fewer hits than the tiers had: where LRU stays ahead the tiers never come back except
 through the slack. The comparison is with LRU on the same admissions (same order, same running requests),
-not with another run.
+not with another run. Neither the overshoot's size nor the write-offs are bounded in advance: a loss is
+seen only when an admission needs what the tiers evicted earlier (docs/design.md, Retention, measures one).
 
 O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
 evicts; the shadow holds at most one entry per free pool unit. A lookup runs the hit search a second time,
