@@ -312,6 +312,10 @@ def main() -> None:
             out[name]["baseline"] = b
             out[name]["median"] = {"swakv": mw, "baseline": mb}
     if vllm:
+        for name, goal in (("hybrid", 5), ("gemma-3-27b", 10)):
+            if ("vllm", name) in best:
+                ratio = best[("vllm", name)] / best[("swakv", name)]
+                print(f"goal: {name} vLLM / swakv = {ratio:.1f}x (>= {goal}x: {'met' if ratio >= goal else 'NOT met'})")
         print("\nvLLM's groups: " + ", ".join(f"{n}: {vllm(LAYOUTS[n], 64, 64).num_groups}" for n in args.layouts))
     if args.json:
         with open(args.json, "w") as f:

@@ -28,7 +28,7 @@ NULL_BLOCK_ID = 0
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin")
+    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -40,6 +40,7 @@ class Block:
         self.units: tuple[int, ...] = (block_id,)   # the units it spans, itself first
         self.order = 0             # its place in its free-queue bin
         self.bin = None            # the free-queue bin it waits in (meaningless while held)
+        self.lru = None            # the free queue's LRU bin it waits in too (it holds a hash), or None
 
     def __repr__(self) -> str:
         return (f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None}"
@@ -56,9 +57,9 @@ class BlockPool:
         self.widths = tuple(widths) if widths is not None else (1,) * num_groups
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
-        self.free = FreeQueue(self.blocks[1:], self.widths, last_message_tokens)
         # Per group: block hash -> {block_id: block}. Two blocks may hold equal content.
         self._cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in range(num_groups)]
+        self.free = FreeQueue(self.blocks[1:], self.widths, last_message_tokens, self._cached)
         self._compositions: list[tuple[int, int, tuple[int, ...]]] = []
         # Optional sink: stored(group, hash, parent hash, block index), removed(group, hash), cleared().
         self.events = None
@@ -78,6 +79,14 @@ class BlockPool:
     def take(self, n: int, group: int) -> list[Block]:
         """``n`` blocks for ``group``, each forgetting what it cached (callers checked the units suffice)."""
         width = self.widths[group]
+        if n == 1 and width == 1:          # the decode path: one unit, while never-used ones are left
+            block = self.free.pop_empty_unit()
+            if block is not None:
+                if block.block_hash is not None:
+                    self._uncache(block)
+                block.ref_cnt = 1
+                block.shared = False
+                return [block]
         if n * width > self.free.num_free_units:
             raise RuntimeError(f"asked for {n} blocks of {width} units, {self.free.num_free_units} units free")
         out = []

@@ -45,6 +45,22 @@ class HitRule:
         return h
 
 
+class _LruView:
+    """The hashes of one group plain LRU would hold (``floor``): those running requests hold, and the
+    shadow's free ones."""
+
+    __slots__ = ("group", "cached", "shadow")
+
+    def __init__(self, group: int, cached: dict, shadow):
+        self.group, self.cached, self.shadow = group, cached, shadow
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        if (self.group, block_hash) in self.shadow:
+            return True
+        blocks = self.cached.get(block_hash)
+        return blocks is not None and any(b.ref_cnt for b in blocks.values())
+
+
 class GroupCoordinator:
     def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
         self.pool = pool
@@ -58,9 +74,16 @@ class GroupCoordinator:
             group = self.groups[g]      # free queue how chains go on
             group.learns_chains = group.block_size not in seen
             seen.add(group.block_size)
+        # The floor's credit cap: a pool's worth of tokens (what the pool holds of one request's tables).
+        pool.free.floor.cap = (pool.num_blocks - 1) // sum(pool.widths) * self._block_sizes[0]
         self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
-        # Per running request: below these (slots, cacheable, computed) a step changes nothing at all.
-        self._quiet: dict[str, tuple[int, int, int]] = {}
+        n = len(specs)    # what a step that changes nothing returns: fresh empty lists, built without a loop
+        self.nothing = ((lambda: ([],)) if n == 1 else (lambda: ([], [])) if n == 2
+                        else (lambda: tuple([] for _ in range(n))))
+        # Per running request: itself, below which (slots, cacheable, computed) a step changes nothing, and
+        # the same per group.
+        self.quiet: dict[str, tuple] = {}
+        self.token_cap = NEVER    # the manager's max_model_len + 1: the cacheable threshold never exceeds it
 
     def hit_length(self, request: Request, max_tokens: int) -> int:
         """The largest hit every group accepts (``HitRule``), a multiple of ``alignment``, at most
@@ -70,6 +93,13 @@ class GroupCoordinator:
     def find_hit(self, request: Request, max_tokens: int) -> tuple[tuple[list[Block], ...], int]:
         """``hit_length``'s blocks; the free queue notes the lookup (where hits land, forks)."""
         h = self.hit_length(request, max_tokens)
+        floor = self.pool.free.floor
+        if floor.evicted:         # else both pools still hold every hash: LRU's hit is this one
+            views = [_LruView(g.group_id, self.pool._cached[g.group_id], floor.shadow) for g in self.groups]
+            request.lru_hit = self.rule.longest([partial(g.longest_hit, request, cached=v)
+                                                 for g, v in zip(self.groups, views)], max_tokens)
+        else:
+            request.lru_hit = h
         for bs in self._block_sizes:
             hashes = request.block_hashes(bs, 0)
 
@@ -87,40 +117,139 @@ class GroupCoordinator:
         """Drop, check capacity, allocate; ``None`` (and no change at all) when the pool is short.
 
         Most decode steps change nothing (no new block, none to cache or drop): a request's thresholds
-        for that, kept since its last change, answer them with three comparisons. Otherwise: blocks the
-        drop would free count as free, hit blocks waiting in the free queue count as taken; a step that
-        needs no new block skips the capacity check, since dropping only frees.
+        for that (``quiet``), kept since its last change, let the manager answer them with three
+        comparisons before calling this. Otherwise: blocks the drop would free count as free, hit blocks
+        waiting in the free queue count as taken; a step that needs no new block skips the capacity
+        check, since dropping only frees.
         """
         rid = request.request_id
-        quiet = self._quiet.get(rid)
-        if quiet is not None and num_slots <= quiet[0] and num_cacheable < quiet[1] and num_computed < quiet[2]:
-            return tuple([] for _ in self.groups)
+        quiet = self.quiet.get(rid)
         groups = self.groups
-        new = [g.num_new_blocks(rid, num_slots, len(h)) for g, h in zip(groups, hit)]
+        # Per group, below these (slots, cacheable, computed) it has nothing to do (None: a new request)
+        limits = quiet[4] if quiet is not None else None
+        if limits is None:
+            new = [g.num_new_blocks(rid, num_slots, len(h)) for g, h in zip(groups, hit)]
+        else:
+            new = [0 if num_slots <= lim[0] else g.num_new_blocks(rid, num_slots, 0) for g, lim in zip(groups, limits)]
         has_hit = hit is not self.no_hit and any(hit)
         if has_hit or any(new):
-            need = -self.pool.num_free_blocks          # in pool units: a block of a width-k group is k
+            need = 0                                   # in pool units: a block of a width-k group is k
             for g, blocks, n in zip(groups, hit, new):
-                freed = g.num_freed_by_drop(rid, num_computed)
-                revived = sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
-                need += (n - freed + revived) * g.width
-            if need > 0:
-                return None
+                if blocks:                             # hit blocks waiting in the free queue are taken too
+                    n += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+                need += n * g.width
+            if need > self.pool.num_free_blocks:       # short unless the drop frees enough
+                need -= sum(g.num_freed_by_drop(rid, num_computed) * g.width for g in self._dropping)
+                if need > self.pool.num_free_blocks:
+                    return None
+            if quiet is None and request.lru_hit >= 0:
+                self._admitted(request, num_computed - request.num_computed_tokens)
             if has_hit:
                 for g, blocks in zip(groups, hit):
                     g.num_held += self.pool.touch(blocks)
         for g in self._dropping:        # all drops first: their blocks may be what the appends take
-            g.drop(request, num_computed)
-        out = tuple([g.append(request, h, n, num_cacheable) for g, h, n in zip(groups, hit, new)])
-        limits = [g.quiet_until(request) for g in groups]
-        self._quiet[rid] = (min(q[0] for q in limits), min(q[1] for q in limits), min(q[2] for q in limits))
-        return out
+            if limits is None or num_computed >= limits[g.group_id][2]:
+                g.drop(request, num_computed)
+        out = []
+        changed = []
+        for g, h, n in zip(groups, hit, new):
+            lim = limits[g.group_id] if limits is not None else None
+            if lim is not None and not n and num_cacheable < lim[1] and num_computed < lim[2]:
+                out.append([])
+                changed.append(lim)
+            else:
+                out.append(g.append(request, h, n, num_cacheable))
+                changed.append(g.quiet_until(request))
+        slots = cacheable = computed = NEVER
+        for a, b, c in changed:
+            if a < slots:
+                slots = a
+            if b < cacheable:
+                cacheable = b
+            if c < computed:
+                computed = c
+        cap = self.token_cap
+        self.quiet[rid] = (request, slots, cacheable if cacheable < cap else cap, computed, changed)
+        return tuple(out)
+
+    def step(self, request: Request, num_computed: int, num_slots: int, num_cacheable: int,
+             quiet: tuple) -> tuple[list[int], ...] | None:
+        """``allocate`` for a running request's step without a hit (the decode path) whose thresholds
+        (``quiet``) say some group has work: the same checks and changes, done per group in one pass."""
+        limits = quiet[4]
+        groups = self.groups
+        rid = request.request_id
+        new = None
+        need = 0
+        for g, lim in zip(groups, limits):
+            if num_slots > lim[0]:              # blocks past the table's end (``num_new_blocks``)
+                n = -(-num_slots // g.block_size) - len(g.tables[rid])
+                if n > 0:
+                    if new is None:
+                        new = [0] * len(groups)
+                    new[g.group_id] = n
+                    need += n * g.width
+        free = self.pool.free
+        if need > free.num_free_units:       # short unless the drop frees enough
+            need -= sum(g.num_freed_by_drop(rid, num_computed) * g.width for g in self._dropping)
+            if need > free.num_free_units:
+                return None
+        for g in self._dropping:
+            if num_computed >= limits[g.group_id][2]:
+                g.drop(request, num_computed)
+        out = []
+        changed = []
+        slots = cacheable = computed = NEVER
+        for g, lim in zip(groups, limits):
+            n = new[g.group_id] if new is not None else 0
+            if not n and num_cacheable < lim[1] and num_computed < lim[2]:
+                out.append([])
+            else:
+                added, lim = g.step(request, n, num_cacheable)
+                out.append(added)
+            changed.append(lim)
+            a, b, c = lim
+            if a < slots:
+                slots = a
+            if b < cacheable:
+                cacheable = b
+            if c < computed:
+                computed = c
+        cap = self.token_cap
+        self.quiet[rid] = (request, slots, cacheable if cacheable < cap else cap, computed, changed)
+        return tuple(out)
+
+    def _admitted(self, request: Request, hit: int) -> None:
+        """Tell the floor what this admission got and what LRU would have, and where the two pools' blocks
+        part: with a longer hit, LRU's pool takes its hit's blocks back and never computes, so never frees,
+        the blocks below its window; with a shorter one, it computes them and its window drops them."""
+        free = self.pool.free
+        floor = free.floor
+        lru_hit, request.lru_hit = request.lru_hit, -1
+        floor.admitted(hit, lru_hit, request.num_tokens)
+        if lru_hit == hit:
+            return
+        if lru_hit > hit:
+            free.lost_to_lru()
+        for g in self.groups:
+            bs, first = g.block_size, g.spec.first_needed_token
+            hashes = request.block_hashes(bs, max(hit, lru_hit) // bs)
+            gid = g.group_id
+            if lru_hit > hit:
+                for x in hashes[max(hit, first(lru_hit)) // bs:lru_hit // bs]:
+                    floor.taken((gid, x))
+                for x in hashes[first(hit) // bs:first(lru_hit) // bs]:
+                    floor.skip((gid, x), free.num_free_units + 16)
+            else:
+                for x in hashes[first(lru_hit) // bs:first(hit) // bs]:
+                    floor.freed((gid, x), g.width)
+        floor.trim(free.lru_units)
 
     def free(self, request: Request, preempted: bool = False) -> None:
         """Release every table of the request in one batch, group by group, each tail first, with the
         blocks a hit at a fork of its chain needs marked (full attention: every block below the deepest
         fork; a window: the blocks below each fork)."""
-        self._quiet.pop(request.request_id, None)
+        self.quiet.pop(request.request_id, None)
         forks = self.pool.free.forks
         fork_ends: dict[int, list[int]] = {}
         freed = []

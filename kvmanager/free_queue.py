@@ -35,6 +35,15 @@ of every parent hash is remembered, and a lookup follows the remembered chain pa
 request's chain leaves it, that parent is a fork. Every memory (children, forks, ghosts) is bounded by
 twice the pool's size.
 
+**The floor** (``floor``): these tiers are guesses, and plain LRU is what an operator expects at least.
+Every free entry holding a hash also waits in plain LRU order (vLLM 0.33 dense's), in one of two bins:
+content the floor's shadow of plain LRU also holds, and content it does not. While the floor's credit is
+negative (the tiers' hits fell more than its slack below LRU's on the same trace) a new block comes from
+the empty tier, then the content LRU does not hold, then LRU's own order: the free blocks become LRU's at
+once, rather than after a pool's turnover of recomputed blocks pushing out what LRU kept. An admission
+that got less than LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess
+such a hit proves wrong.
+
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
 and free composites per kind. For a block of kind ``g``, the bins are visited in eviction order: in the
@@ -48,13 +57,12 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from .floor import Floor
+
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 
-# How far below a prompt's end a later prompt's fork is plausible: a question or user message. Without it a
-# document's end window, dropped while its first question was computed, waited as unreachable and went
-# before finished chains' blocks: in bench/router_sim.py's qa (questions of 32-96 tokens) the prefix
-# router found 78.0% of prompt tokens cached, with it 83.1% (the same with 128 or 1,024); chat and the
-# retention grid did not move.
+# How far below a prompt's end a later prompt's fork is plausible: a question or user message (docs/design.md,
+# Retention, tier 2, has the measurement that chose it).
 LAST_MESSAGE_TOKENS = 256
 
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
@@ -88,10 +96,18 @@ class Bin:
 class FreeQueue:
     """Free loose units and composites in tiers, their eviction order, and what it learns from hits."""
 
-    def __init__(self, units: list, widths: tuple[int, ...], last_message_tokens: int = LAST_MESSAGE_TOKENS):
+    def __init__(self, units: list, widths: tuple[int, ...], last_message_tokens: int = LAST_MESSAGE_TOKENS,
+                 cached: list | None = None, cap_tokens: int = 0):
         self.widths = widths
         self.last_message_tokens = last_message_tokens
         self._tiers = [Bin(widths) for _ in range(3)]
+        # Every free entry holding a hash also waits in plain LRU order, in one of two bins: content the
+        # floor's shadow (plain LRU) also holds, and content it does not (``_lru_out``: evicted first below
+        # the floor, so the real pool converges to LRU's at once instead of being flooded by recomputes).
+        self._lru_in, self._lru_out = Bin(widths), Bin(widths)
+        self._cached = cached if cached is not None else []     # the pool's: (group, hash) -> blocks
+        self.floor = Floor(cap_tokens)
+        self.floor.on_leave = self._left_shadow
         self._chains: OrderedDict[int, Bin] = OrderedDict()   # release batches, oldest first
         self._proven: OrderedDict[int, Bin] = OrderedDict()
         self._back = 0
@@ -136,6 +152,7 @@ class FreeQueue:
             i += 1
         if proven:
             self._release_batches([], proven)
+        self._lru_release(reversed(blocks))      # LRU: a drop releases from the window's edge backwards
 
     def add_released(self, blocks, preempted: bool = False) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
@@ -150,6 +167,7 @@ class FreeQueue:
                 chain.append(block)
         if chain or proven:
             self._release_batches(chain, proven)
+        self._lru_release(block for block, _ in blocks)
 
     def add_leftover(self, units) -> None:
         """Units of a dissolved composite that a composition did not use: they hold nothing, so front."""
@@ -167,7 +185,44 @@ class FreeQueue:
                 self._vote(1)
             if b.batches is self._chains:
                 self._distances.append(age)
-        self._unlink(block, b)
+        self._unlink(block)
+        if block.block_hash is not None:
+            self.floor.taken((block.group, block.block_hash))
+            self.floor.trim(self.lru_units)
+
+    def _lru_release(self, blocks) -> None:
+        """Freed blocks (those no one holds) join the LRU order and the floor's shadow, in release order."""
+        floor = self.floor
+        for block in blocks:
+            if block.ref_cnt or block.block_hash is None:
+                continue
+            inside = floor.freed((block.group, block.block_hash), len(block.units))
+            self._lru_push(block, self._lru_in if inside else self._lru_out)
+        floor.trim(self.lru_units)
+
+    @property
+    def lru_units(self) -> int:
+        return self._lru_in.units + self._lru_out.units
+
+    def _lru_push(self, block, b: Bin) -> None:
+        (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id] = block
+        block.lru = b
+        b.units += len(block.units)
+
+    def _lru_unlink(self, block) -> None:
+        b = block.lru
+        del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
+        b.units -= len(block.units)
+        block.lru = None
+
+    def _left_shadow(self, key: tuple[int, bytes]) -> None:
+        """Plain LRU no longer holds this content: the real free copies of it go out of the LRU order."""
+        group, block_hash = key
+        blocks = self._cached[group].get(block_hash) if self._cached else None
+        for block in blocks.values() if blocks else ():
+            if block.lru is self._lru_in:
+                self._lru_unlink(block)
+                self._lru_push(block, self._lru_out)
 
     # -- learning: forks and ghosts ------------------------------------------------------------
     def learn(self, parent: bytes, child: bytes) -> None:
@@ -217,6 +272,11 @@ class FreeQueue:
             elif distance <= self._reusable_units:
                 self._vote(-PENALTY)        # youngest-first evicted what LRU would have kept
 
+    def lost_to_lru(self) -> None:
+        """An admission got less than plain LRU would have granted: whatever the ghosts said, tier 3 goes
+        back to LRU order (keeping old chains is a guess that such a hit proves wrong)."""
+        self._votes = min(self._votes, 0)
+
     def _fork(self, parent: bytes) -> None:
         self.forks[parent] = None
         if len(self.forks) > self._cap:
@@ -229,6 +289,24 @@ class FreeQueue:
     def take(self, kind: int) -> list:
         """Free entries to make one block of ``kind`` from (the caller checked that enough units are free):
         ``[composite of kind]`` to reuse as is, or entries whose units, in order, compose it."""
+        out = self._take(kind)
+        if not self.fresh:
+            self.floor.trim(self.lru_units)
+        return out
+
+    def pop_empty_unit(self):
+        """The front loose unit of the empty tier (holding nothing), or None: ``take`` of a width-1 kind
+        while there is one, without its generality."""
+        empty = self._tiers[EMPTY]
+        if not empty.loose:
+            return None
+        self.fresh = True
+        unit = empty.loose.popitem(last=False)[1]
+        empty.units -= 1
+        self.num_free_units -= 1
+        return unit
+
+    def _take(self, kind: int) -> list:
         k = self.widths[kind]
         tiers = self._tiers
         empty = tiers[EMPTY]
@@ -236,7 +314,7 @@ class FreeQueue:
             self.fresh = True                            # the common case while the pool has room
             return self._pop_empty(k)
         self.fresh = False
-        if k == 1:                                       # the front loose unit of the first tier with room
+        if k == 1 and not self.floor.follow_lru:         # the front loose unit of the first tier with room
             for b in tiers:
                 if b.units:
                     if b.loose:
@@ -277,7 +355,14 @@ class FreeQueue:
     def _bins(self):
         """Every bin in eviction order: the three tiers, then tier 3's batches. The older front of chains
         and proven batches first (LRU); keeping old chains, only while it is past the horizon, then the
-        chains youngest first, then the proven batches. Bins must not change while this runs."""
+        chains youngest first, then the proven batches. Bins must not change while this runs. Below the
+        floor (``floor.follow_lru``): the empty tier, then content plain LRU does not hold, then the rest in
+        plain LRU order."""
+        if self.floor.follow_lru:
+            yield self._tiers[EMPTY]
+            yield self._lru_out
+            yield self._lru_in
+            return
         yield from self._tiers
         cut = None
         if self._votes >= THRESHOLD:
@@ -316,21 +401,27 @@ class FreeQueue:
         return out
 
     def _pop(self, entry, b: Bin):
-        """Take ``entry`` out of bin ``b`` for new content (a tier-3 entry with a hash leaves a ghost)."""
-        if b.batches is not None and entry.block_hash is not None:
-            ghosts = self._ghosts
-            ghosts[entry.block_hash] = (b.stamp, b.young)
-            ghosts.move_to_end(entry.block_hash)
-            if len(ghosts) > self._cap:
-                ghosts.popitem(last=False)
-        self._unlink(entry, b)
+        """Take ``entry`` (visited in bin ``b``) for new content (a tier-3 entry with a hash leaves a ghost)."""
+        if entry.block_hash is not None:
+            self.floor.evicted = True
+            tier = entry.bin
+            if tier.batches is not None:
+                ghosts = self._ghosts
+                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier)
+                ghosts.move_to_end(entry.block_hash)
+                if len(ghosts) > self._cap:
+                    ghosts.popitem(last=False)
+        self._unlink(entry)
         return entry
 
-    def _unlink(self, entry, b: Bin) -> None:
+    def _unlink(self, entry) -> None:
+        b = entry.bin
         del (b.loose if entry.kind < 0 else b.composites[entry.kind])[entry.block_id]
         n = len(entry.units)
         b.units -= n
         self.num_free_units -= n
+        if entry.lru is not None:
+            self._lru_unlink(entry)
         if b.batches is not None:
             self._reusable_units -= n
             if not b.units:
@@ -368,12 +459,14 @@ class FreeQueue:
         """Every hash was dropped (``reset_prefix_cache``): every free entry holds nothing now; what was
         learnt from hashes (children, forks, ghosts) goes too."""
         entries = self.entries()
-        widths = self.widths
-        self.__init__([], widths)
+        widths, cap = self.widths, self.floor.cap
+        self.__init__([], widths, self.last_message_tokens, self._cached, cap)
         empty = self._tiers[EMPTY]
         for e in entries:
+            e.lru = None
             self._push(e, empty)
         self._cap = max(16, 2 * self.num_free_units)
+        self.floor.reset()
 
     def entries(self) -> list:
         """Every free entry (loose unit or composite) in eviction order, front first (tests, checks)."""

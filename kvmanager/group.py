@@ -28,9 +28,11 @@ class KVCacheGroup:
         self.learns_chains = True   # tells the free queue each cached block's parent (one group per block size)
 
     # -- prefix hits ---------------------------------------------------------------------------
-    def longest_hit(self, request: Request, max_tokens: int) -> int:
-        """Longest hit in tokens, at most ``max_tokens``, that this group alone accepts."""
-        cached = self.pool._cached[self.group_id]
+    def longest_hit(self, request: Request, max_tokens: int, cached=None) -> int:
+        """Longest hit in tokens, at most ``max_tokens``, that this group alone accepts, given the hashes
+        ``cached`` (default: the pool's cache of this group)."""
+        if cached is None:
+            cached = self.pool._cached[self.group_id]
         bs = self.block_size
         hashes = request.block_hashes(bs, 0)
 
@@ -119,17 +121,49 @@ class KVCacheGroup:
             self._num_cached[rid] = len(hit)
             null = self.pool.null_block
             self._num_dropped[rid] = next((i for i, b in enumerate(hit) if b is not null), len(hit))
-        added: list[int] = []
-        if hit or num_new:
-            blocks = hit + self.pool.take(num_new, self.group_id) if num_new else hit
+        if num_new:
+            blocks = self.pool.take(num_new, self.group_id)
+            if hit:
+                blocks = hit + blocks
             self.num_held += num_new
             table.extend(blocks)
             added = [b.block_id for b in blocks]
+        elif hit:
+            table.extend(hit)
+            added = [b.block_id for b in hit]
+        else:
+            added = []
         if self.enable_caching:
             end = (num_cacheable if num_cacheable < request.num_tokens else request.num_tokens) // self.block_size
             if end > self._num_cached[rid]:
                 self._cache_full_blocks(request, table, end)
         return added
+
+    def step(self, request: Request, num_new: int, num_cacheable: int) -> tuple[list[int], tuple[int, int, int]]:
+        """``append`` without a hit for a running request, then ``quiet_until``: the decode path's work in
+        one call (the ids appended, the new thresholds)."""
+        rid = request.request_id
+        table = self.tables[rid]
+        if num_new:
+            blocks = self.pool.take(num_new, self.group_id)
+            self.num_held += num_new
+            table.extend(blocks)
+            added = [b.block_id for b in blocks]
+        else:
+            added = []
+        bs = self.block_size
+        if self.enable_caching:
+            n = len(request.all_token_ids)
+            end = (num_cacheable if num_cacheable < n else n) // bs
+            cached = self._num_cached[rid]
+            if end > cached:
+                self._cache_full_blocks(request, table, end)
+                cached = end
+            cache_at = (cached + 1) * bs
+        else:
+            cache_at = NEVER
+        drop_at = self.spec.computed_to_reach((self._num_dropped[rid] + 1) * bs) if self.drops else NEVER
+        return added, (len(table) * bs, cache_at, drop_at)
 
     def _cache_full_blocks(self, request: Request, table: list[Block], end: int) -> None:
         """Enter blocks ``[num_cached, end)``, full of known tokens once this step runs, into the cache."""

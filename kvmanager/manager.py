@@ -62,6 +62,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, len(groups), widths, last_message_tokens)
         self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
         self._no_hit = self.coordinator.no_hit
+        self._quiet = self.coordinator.quiet
+        self._nothing = self.coordinator.nothing
+        self.coordinator.token_cap = max_model_len + 1
         self.stats = CacheStats()
         self._running: dict[str, Request] = {}
 
@@ -139,6 +142,23 @@ class KVCacheManager:
         Returns the block ids appended to each group's table (a hit's nulls included), or ``None`` when
         the pool cannot hold it; then nothing has changed, not even the drop.
         """
+        # Most decode steps change nothing (no block to add, cache or drop): a running request's thresholds
+        # (``coordinator.quiet``) answer them in a few comparisons, once the arguments are plain ints.
+        quiet = self._quiet.get(request.request_id) if type(request) is Request else None  # noqa: E721
+        if (quiet is not None and quiet[0] is request and new_computed_blocks is None
+                and type(num_new_tokens) is int and type(num_lookahead_tokens) is int  # noqa: E721 (no bools)
+                and type(num_new_computed_tokens) is int and num_new_computed_tokens == 0  # noqa: E721
+                and num_new_tokens >= 0 and num_lookahead_tokens >= 0):
+            num_computed = request.num_computed_tokens
+            num_tokens = num_computed + num_new_tokens
+            num_slots = num_tokens + num_lookahead_tokens
+            # quiet[2] is at most max_model_len + 1: below it, num_tokens is within the limit too
+            if num_tokens < quiet[2] and num_slots <= quiet[1] and num_computed < quiet[3]:
+                return self._nothing()
+            limit = self.max_model_len
+            if num_tokens <= limit:            # a running request, checked: straight to the coordinator
+                return self.coordinator.step(request, num_computed, num_slots if num_slots < limit else limit,
+                                             num_tokens, quiet)
         if type(request) is not Request or request.finished:  # noqa: E721 (the per-step path, checked cheaply)
             self._check_request(request)
         rid = request.request_id
@@ -161,8 +181,9 @@ class KVCacheManager:
             raise ValueError(f"request {rid!r}: {num_tokens} tokens exceed max_model_len={limit}")
         # Look-ahead slots past max_model_len could never be used: reserve up to the limit only.
         num_slots = num_tokens + num_lookahead_tokens
-        new = self.coordinator.allocate(request, num_computed, num_slots if num_slots < limit else limit,
-                                        num_tokens, hit)
+        if num_slots > limit:
+            num_slots = limit
+        new = self.coordinator.allocate(request, num_computed, num_slots, num_tokens, hit)
         if new is not None and running is None:
             self._running[rid] = request
         return new

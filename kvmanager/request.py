@@ -41,7 +41,7 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens", "extra_keys", "finished", "_hashes")
+                 "num_computed_tokens", "extra_keys", "finished", "_hashes", "lru_hit")
 
     def __init__(self, request_id: str, prompt_token_ids, *, extra_keys: tuple = (),
                  block_hashes: dict[int, list[bytes]] | None = None):
@@ -61,6 +61,7 @@ class Request:
         self.extra_keys = extra_keys
         self.finished = False
         self._hashes: dict[int, list[bytes]] = _check_hashes(request_id, block_hashes, len(prompt))
+        self.lru_hit = -1     # the hit plain LRU would have granted at its last lookup (``kvmanager.floor``)
 
     @property
     def num_tokens(self) -> int:

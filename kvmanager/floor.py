@@ -1,0 +1,145 @@
+"""The floor under the retention policy: a shadow of plain LRU, and the credit that decides whose order the
+free queue follows.
+
+The tiers (``free_queue``) guess where hits will land; plain LRU (vLLM 0.33 dense: every freed cached block
+waits in release order) is what an operator expects at least. ``Floor`` replays LRU from the hashes alone:
+``shadow`` holds the ``(group, hash)`` a pool of the same size would still hold free had it evicted in LRU
+order. Both pools hold the same blocks for running requests, so LRU's free cached blocks fit in the units
+the real pool's free cached blocks take (``trim``). Every lookup is also run against the shadow and those
+held blocks, so at each admission ``i`` the manager knows the hit it granted, ``h_i``, and the one LRU would
+have granted, ``l_i`` (with ``P_i`` tokens looked up). Then
+
+    credit_i = min(cap, credit_{i-1} + h_i - l_i + SLACK * P_i),   credit_0 = 0
+
+and the free queue follows the tiers while ``credit >= 0``, LRU's order otherwise (``free_queue``: content
+LRU does not hold goes first, so the real free blocks become LRU's at once). Below zero the real pool hits
+as LRU does, so the credit grows only by SLACK and cannot see the tiers doing better: once LRU has had as
+many admissions as the tiers' last stretch and served fewer hit tokens than they did there, the deficit is
+written off (``forgiven``) and the tiers get another try.
+
+**The bound.** ``min(cap, .)`` only lowers the credit, so summing gives, after any ``n`` admissions,
+
+    sum h_i >= sum l_i - SLACK * sum P_i - forgiven - overshoot_n,      overshoot_n = max(0, -credit_n)
+
+and over any stretch of admissions ``sum h_i >= sum l_i - SLACK * sum P_i - cap - overshoot``: a past
+surplus (at most ``cap``, a pool's worth of tokens) is spent once, not forever. The credit only falls below
+zero at the admission that crosses it (at most that admission's loss, its prompt at worst) and while the
+real pool still lacks what the tiers evicted before the switch and LRU kept: that content leaves the shadow
+within one turnover of the free pool. Each write-off is one such overshoot, and needs a stretch in which
+LRU itself served fewer hits than the tiers had: where LRU stays ahead the tiers never come back except
+through the slack. The comparison is with LRU on the same admissions (same order, same running requests),
+not with another run. Neither the overshoot's size nor the write-offs are bounded in advance: a loss is
+seen only when an admission needs what the tiers evicted earlier (docs/design.md, Retention, measures one).
+
+O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
+evicts; the shadow holds at most one entry per free pool unit. A lookup runs the hit search a second time,
+against the shadow, once either pool has evicted a cached block (before that both hold everything).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose to LRU before it takes over
+
+
+class Floor:
+    __slots__ = ("shadow", "units", "ignore", "on_leave", "credit", "cap", "slack", "follow_lru", "evicted",
+                 "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
+                 "episode", "tiers_episode", "forgiven")
+
+    def __init__(self, cap: int = 0, slack: float = SLACK):
+        self.shadow: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # free cached block -> its units
+        self.units = 0              # units the shadow's blocks take
+        self.ignore: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # frees LRU would not see
+        self.on_leave = lambda key: None   # told each key that leaves the shadow
+        self.cap = cap
+        self.slack = slack
+        self.credit = 0.0
+        self.follow_lru = False
+        self.evicted = False        # either pool evicted a cached block (else both hold every hash)
+        self.admissions = self.lru_admissions = self.switches = 0
+        self.hits = self.lru_hits = self.prompt_tokens = 0
+        self.lowest = 0.0
+        self.episode = [0, 0]           # admissions and hit tokens since the last switch
+        self.tiers_episode = (0, 0)     # the same for the last stretch that followed the tiers
+        self.forgiven = 0.0             # credit written off to give the tiers another try
+
+    # -- the shadow: what plain LRU would hold ---------------------------------------------------
+    def freed(self, key: tuple[int, bytes], units: int) -> bool:
+        """A cached block no one holds any more joins the back; False if LRU's pool never held it."""
+        if self.ignore and self.ignore.pop(key, 0) is None:
+            return False
+        shadow = self.shadow
+        if key in shadow:           # a second copy of content already free
+            shadow.move_to_end(key)
+        else:
+            shadow[key] = units
+            self.units += units
+        return True
+
+    def taken(self, key: tuple[int, bytes]) -> None:
+        """A hit took the block back: LRU's pool holds it (a free copy in the real pool is redundant)."""
+        units = self.shadow.pop(key, 0)
+        if units:
+            self.units -= units
+            self.on_leave(key)
+
+    def skip(self, key: tuple[int, bytes], cap: int) -> None:
+        """The real pool will compute and free this block, LRU's would not (its hit was longer)."""
+        ignore = self.ignore
+        ignore[key] = None
+        if len(ignore) > cap:
+            ignore.popitem(last=False)
+
+    def trim(self, capacity: int) -> None:
+        """Both pools hold the same blocks for running requests, so LRU's free cached blocks fit in the
+        units the real pool's free cached blocks take: the front goes until they do."""
+        shadow = self.shadow
+        while self.units > capacity:
+            key, units = shadow.popitem(last=False)
+            self.units -= units
+            self.evicted = True
+            self.on_leave(key)
+
+    def reset(self) -> None:
+        self.shadow.clear()
+        self.ignore.clear()
+        self.units = 0
+        self.evicted = False
+
+    # -- the credit ------------------------------------------------------------------------------
+    def admitted(self, hit: int, lru_hit: int, prompt_tokens: int) -> None:
+        """An admission: the hit granted, LRU's, the tokens looked up. Decides whose order comes next."""
+        self.admissions += 1
+        self.lru_admissions += self.follow_lru
+        self.hits += hit
+        self.lru_hits += lru_hit
+        self.prompt_tokens += prompt_tokens
+        credit = min(self.cap, self.credit + hit - lru_hit + self.slack * prompt_tokens)
+        if credit < self.lowest:
+            self.lowest = credit
+        episode = self.episode
+        episode[0] += 1
+        episode[1] += hit
+        if self.follow_lru and credit < 0:
+            # Below the floor the real pool hits as LRU does, so the credit can only tell how the tiers did
+            # before. Once LRU has had as many admissions as the tiers' last stretch and served fewer hit
+            # tokens, the tiers get another try: the deficit is written off (``forgiven``, part of the bound).
+            n, hits = self.tiers_episode
+            if episode[0] >= n > 0 and episode[1] < hits:
+                self.forgiven -= credit
+                credit = 0.0
+        self.credit = credit
+        follow = credit < 0
+        if follow != self.follow_lru:
+            if follow:
+                self.tiers_episode = (episode[0], episode[1])
+            self.episode = [0, 0]
+            self.follow_lru = follow
+            self.switches += 1
+
+    def report(self) -> dict:
+        return {"admissions": self.admissions, "lru_share": self.lru_admissions / max(1, self.admissions),
+                "switches": self.switches, "hits": self.hits, "lru_hits": self.lru_hits,
+                "prompt_tokens": self.prompt_tokens, "credit": round(self.credit), "lowest": round(self.lowest),
+                "forgiven": round(self.forgiven)}

@@ -1,0 +1,142 @@
+"""Retention's floor (kvmanager/floor.py): whatever the tiers guess, the manager's hits stay within the stated
+bound of plain LRU's (vLLM 0.33 dense's order) on the same trace:
+
+    sum(hit) >= sum(LRU's hit) - SLACK * sum(prompt tokens) - overshoot
+
+where the overshoot is what the admissions lose from the one that makes the credit negative until the real
+pool holds what plain LRU would. LRU's hits come from the bench's simulator (``bench/retention_sim.Lru``),
+an implementation of its own, never from the code under test.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager.floor import SLACK, Floor
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+from retention_sim import SimManager, SimRequest, Spec  # noqa: E402
+
+B, W = 4, 8        # a sliding hit needs the 2 blocks below its end
+
+
+def serve(mgr, req, chunk: int = 8) -> int:
+    """One request alone: look up, prefill in chunks, sample one token (never computed), free. Its hit."""
+    blocks, hit = mgr.get_computed_blocks(req)
+    n = min(chunk, req.num_tokens - hit)
+    assert mgr.allocate_slots(req, n, hit, blocks) is not None
+    req.num_computed_tokens = hit + n
+    while req.num_computed_tokens < req.num_tokens:
+        n = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert mgr.allocate_slots(req, n) is not None
+        req.num_computed_tokens += n
+    req.append_output_token_ids([7])
+    mgr.free(req)
+    return hit
+
+
+def edits(rounds: int = 8):
+    """Each round: a 48-token document (12 blocks), an unrelated 24-token request, then an edit: the
+    document cut at token 24 (its interior) and one new token. A hit of 24 needs blocks 4 and 5."""
+    for r in range(rounds):
+        doc = [1000 * (r + 1) + i for i in range(48)]
+        yield "doc", doc
+        yield "other", [1000 * (r + 1) + 500 + i for i in range(24)]
+        yield "edit", doc[:24] + [1000 * (r + 1) + 900]
+
+
+def edit_hits(mgr, request_cls) -> tuple[list[int], int]:
+    hits, prompt = [], 0
+    for i, (kind, tokens) in enumerate(edits()):
+        h = serve(mgr, request_cls(f"r{i}", tokens))
+        prompt += len(tokens)
+        if kind == "edit":
+            hits.append(h)
+    return hits, prompt
+
+
+def test_edits_into_a_documents_interior_lose_one_hit_to_lru_then_follow_it():
+    # Sliding W 8, block 4, 15 blocks, no last-message margin: a document's dropped interior blocks wait
+    # as unreachable (tier 1) and go first, so the tiers alone would evict exactly the window every edit
+    # needs (blocks 4 and 5) to make room for the unrelated request; plain LRU evicts older content and
+    # keeps it. Round 1 still has never-used blocks: both hit 24. Round 2: the tiers evict the window (0,
+    # LRU 24): the credit falls to -24 + SLACK * 176 tokens < 0 and the free queue follows LRU from then
+    # on: every later edit hits 24, as LRU's does.
+    mgr = KVCacheManager([SlidingWindow(B, window=W)], num_blocks=16, last_message_tokens=0)
+    hits, prompt = edit_hits(mgr, Request)
+    lru, _ = edit_hits(SimManager([Spec(B, W)], 16, "lru"), SimRequest)
+    assert lru == [24] * 8
+    assert hits == [24, 0, 24, 24, 24, 24, 24, 24]
+    floor = mgr.pool.free.floor
+    assert (floor.hits, floor.lru_hits, floor.switches, floor.follow_lru) == (168, 192, 1, True)
+    # the stated bound: 168 >= 192 - 0.002 * 776 - 24 (the one admission's overshoot)
+    assert prompt == 776 and sum(hits) >= sum(lru) - SLACK * prompt - 24
+
+
+def chats(sessions: int = 6, turns: int = 4):
+    """Sessions taking turns round-robin: each turn is the whole history (32 tokens a turn) plus 8 new."""
+    history = {s: [] for s in range(sessions)}
+    for t in range(turns):
+        for s in range(sessions):
+            history[s] = history[s] + [100 * s + 10 * t + i + 1 for i in range(8 if t else 32)]
+            yield s, list(history[s])
+            history[s] = history[s] + [7]
+
+
+def test_on_cyclic_sessions_the_tiers_beat_lru_and_the_floor_never_takes_over():
+    # Full attention, block 4, 40 blocks: six sessions whose histories outgrow the pool together. LRU
+    # evicts each session's chain just before its next turn comes back (the cyclic pattern tier 3's ghosts
+    # learn): it hits nothing; the tiers keep old chains and hit in 12 of the 24 turns (324 tokens), so the credit
+    # never falls below 0.
+    def run(mgr, request_cls):
+        out = []
+        for i, (s, tokens) in enumerate(chats()):
+            out.append(serve(mgr, request_cls(f"c{i}", tokens), chunk=16))
+        return out
+    mgr = KVCacheManager([FullAttention(B)], num_blocks=41)
+    hits = run(mgr, Request)
+    lru = run(SimManager([Spec(B)], 41, "lru"), SimRequest)
+    assert lru == [0] * 24
+    assert sum(hits) == 324 and sum(h > 0 for h in hits) == 12
+    floor = mgr.pool.free.floor
+    assert floor.switches == 0 and not floor.follow_lru and floor.lowest >= 0
+
+
+def test_the_credit_follows_lru_below_zero_gains_slack_per_prompt_token_and_is_capped():
+    f = Floor(cap=1000)
+    f.admitted(100, 100, 1000)            # equal hits: + 0.002 * 1000
+    assert (f.credit, f.follow_lru) == (2.0, False)
+    f.admitted(0, 50, 1000)               # 2 - 50 + 2: below zero, LRU's order
+    assert (f.credit, f.follow_lru, f.switches) == (-46.0, True, 1)
+    for _ in range(23):                   # LRU serves more than the tiers did (60 a turn against 50):
+        f.admitted(60, 60, 1000)          # only the slack brings the credit back, 23 x 2
+    assert (f.credit, f.follow_lru, f.switches, f.forgiven) == (0.0, False, 2, 0)
+    f.admitted(5000, 0, 1000)             # a large win is kept only up to the cap
+    assert f.credit == 1000
+
+
+def test_below_zero_the_tiers_get_another_try_once_lru_served_less_than_they_did_in_as_many_admissions():
+    f = Floor(cap=1000)
+    f.admitted(100, 100, 1000)
+    f.admitted(0, 50, 1000)               # the tiers' stretch: 2 admissions, 100 hit tokens; credit -46
+    f.admitted(10, 10, 1000)              # LRU: 1 admission, 10 tokens (-44): not yet as many admissions
+    assert (f.follow_lru, f.credit) == (True, -44.0)
+    f.admitted(10, 10, 1000)              # 2 admissions, 20 tokens < 100: the -42 is written off
+    assert (f.follow_lru, f.credit, f.forgiven, f.switches) == (False, 0.0, 42.0, 2)
+
+
+def test_the_shadow_keeps_what_fits_in_the_real_pools_free_cached_units_evicting_its_oldest():
+    f = Floor()
+    left = []
+    f.on_leave = left.append
+    for i in range(5):
+        assert f.freed((0, b"h%d" % i), 1)
+    f.freed((0, b"h1"), 1)                # freed again: to the back
+    f.trim(3)
+    assert left == [(0, b"h0"), (0, b"h2")] and list(f.shadow) == [(0, b"h3"), (0, b"h4"), (0, b"h1")]
+    f.taken((0, b"h4"))                   # a hit took it back: held, not free
+    assert f.units == 2
+    f.skip((0, b"x"), cap=8)              # a block only the real pool computes: its free is not LRU's
+    assert not f.freed((0, b"x"), 1) and (0, b"x") not in f.shadow
