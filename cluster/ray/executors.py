@@ -141,7 +141,7 @@ class RayExecutor:
             for i, (kwargs, name) in enumerate(zip(self.stage_kwargs, self.worker_names))]
         try:
             rendezvous = [None] * n
-            if tp > 1:
+            if tp > 1 and not self._simulated:      # simulated ranks share nothing: no collectives
                 host, port = ray.get(self.actors[0].address.remote(), timeout=self.start_timeout_s)
                 stage_ranks = [list(range(s, s + tp)) for s in range(0, n, tp)]
                 rendezvous = [dict(address=f"{host}:{port}", rank=i, world_size=n, stage=i // tp,
@@ -196,8 +196,11 @@ class RayExecutor:
         """``submit`` can return before the step's result (asynchronous scheduling): over the rings, with
         one stage, or with simulated workers (whose draws feed nothing). A real later stage would need the
         last stage's draws back for a chunk fed by the previous step: not done yet."""
-        return self._rings is not None and (len(self._stages) == 1
-                                             or self.stage_kwargs[0].get("kind") == "simulated")
+        return self._rings is not None and (len(self._stages) == 1 or self._simulated)
+
+    @property
+    def _simulated(self) -> bool:
+        return self.stage_kwargs[0].get("kind") == "simulated"
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.collect(self._send(step, ack=False))
