@@ -1,4 +1,4 @@
-"""The Ray executor's same-node path: steps through shared-memory rings, not Ray (``workers.step_loop``).
+"""The Ray executor's same-node path: steps through shared-memory rings, not Ray (``workers.runtime.step_loop``).
 
 The tokens are the in-process executor's (simulated workers: a function of seed, request and position)
 or transformers' (tiny models), through pipeline stages, tensor-parallel ranks and asynchronous

@@ -4,9 +4,9 @@ Same interface as ``cluster.engine.executor.LocalExecutor`` (``execute``, ``subm
 ``restart``, ``shutdown``; ``WorkerFailure`` when a worker is lost). Ray places the workers, owns their
 lifetime and reports their death; it is not in the step's path when every worker shares the engine's
 node: then the engine writes each encoded step (``workers.wire``) once to a shared-memory ring that all
-workers read, stages hand hidden states on through link rings, and the last stage's rank 0 answers on a
-reply ring (``workers.step_loop``). Nothing polls: an idle worker sleeps on its ring, and so does the
-engine while it waits for a step. Workers on other nodes get each step by plain actor calls.
+workers read, stages hand hidden states on through link rings, and the last stage's rank 0 answers
+on a reply ring (``workers.runtime.step_loop``). Nothing polls: an idle worker sleeps on its ring, and
+so does the engine while it waits for a step. Workers on other nodes get each step by plain actor calls.
 
 Faults: a step refused because of one request raises that ``RequestError`` (from ``submit`` when it
 was submitted alone, before the next is scheduled, as asynchronous scheduling needs); a worker that
@@ -284,15 +284,15 @@ class RayExecutor:
 
 
 class _Rings:
-    """The engine's end of the same-node step path (see ``workers.step_loop``): it makes every ring, so
-    it can unlink them all whichever worker died. Replies come in the order steps were sent: an answer
+    """The engine's end of the same-node step path (``workers.runtime.step_loop``): it makes every ring,
+    so it can unlink them all whichever worker died. Replies come in the order steps were sent: an answer
     for an earlier step that arrives while waiting for a later one is kept until it is collected."""
 
     LINK_SLOT_BYTES = 1 << 20            # hidden states: a chunk of 512 tokens x 5k x 2 bytes is 5 MB
 
     def __init__(self, pp: int, tp: int):
         from workers.shm_channel import ShmBroadcast, ShmReader, ShmSegment
-        from workers.step_loop import POLL_S, SPIN_S
+        from workers.runtime.step_loop import POLL_S, SPIN_S
         self.pp, self.tp = pp, tp
         self.segments: list = []
         self.steps = self.reader = None
@@ -329,21 +329,21 @@ class _Rings:
         return roles
 
     def send(self, payload: bytes, ack: bool, timeout: float) -> int:
-        from workers.step_loop import STEP, STEP_ACK, frame
+        from workers.runtime.step_loop import STEP, STEP_ACK, frame
         seq = next(self._seq)
         self.steps.send(frame(STEP_ACK if ack else STEP, seq, payload), timeout=timeout)
         return seq
 
     def wait_ack(self, handle, check, timeout: float) -> None:
-        from workers.step_loop import ACK
+        from workers.runtime.step_loop import ACK
         self._wait(handle[0], ACK, check, timeout)
 
     def wait_output(self, handle, check, timeout: float) -> bytes:
-        from workers.step_loop import OUTPUT
+        from workers.runtime.step_loop import OUTPUT
         return self._wait(handle[0], OUTPUT, check, timeout)
 
     def _wait(self, seq: int, wanted: int, check, timeout: float):
-        from workers.step_loop import ACK, ERROR, load_error, unframe
+        from workers.runtime.step_loop import ACK, ERROR, load_error, unframe
         deadline = time.monotonic() + timeout
         while True:
             answer = self._answers.get(seq)

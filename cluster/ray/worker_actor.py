@@ -1,5 +1,5 @@
 """The worker actor: a thin Ray shell over a worker (``make_worker``) and, on the engine's node, its step
-loop (``workers.step_loop``) in a thread; across nodes, plain actor calls (``execute``)."""
+loop (``workers.runtime.step_loop``) in a thread; across nodes, plain actor calls (``execute``)."""
 from __future__ import annotations
 
 import os
@@ -44,9 +44,9 @@ class WorkerActor:
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def serve(self, name: str, rings: dict) -> None:
-        """Attach to the engine's rings (``workers.step_loop.StepLoop``'s arguments) and run the step
+        """Attach to the engine's rings (``workers.runtime.step_loop.StepLoop``'s arguments) and run the step
         loop in a thread until the engine closes them."""
-        from workers.step_loop import StepLoop
+        from workers.runtime.step_loop import StepLoop
         self._loop = StepLoop(self.worker, name, **rings)
         threading.Thread(target=self._loop.run, name="swakv-step-loop", daemon=True).start()
 
