@@ -17,6 +17,7 @@ dies (its pid gone, its ring's writer gone, Ray's actor error) or does not answe
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 
@@ -25,6 +26,8 @@ from workers.protocol import StepInput, StepOutput
 from cluster.engine.engine import WorkerFailure
 
 from .worker_actor import WorkerActor
+
+log = logging.getLogger("swakv.executor")
 
 
 def _owner() -> str:
@@ -184,7 +187,6 @@ class RayExecutor:
         except ray.exceptions.GetTimeoutError:   # those nodes are busy: anywhere will do
             ray.util.remove_placement_group(pg)
             return None
-
 
     @property
     def uses_shm_rings(self) -> bool:
@@ -361,9 +363,14 @@ class _Rings:
             self._answers[got] = (kind, bytes(body))
 
     def close(self) -> None:
+        """Close both ends and unlink every segment, even if a thread still waits on the reply ring
+        (a shutdown under a running step: that wait then fails, and the step is dropped)."""
         for end in (self.steps, self.reader):
-            if end is not None:
-                end.close()
+            try:
+                if end is not None:
+                    end.close()
+            except Exception as exc:  # noqa: BLE001 - the segments must go whatever the ends say
+                log.warning("closing a step ring: %r", exc)
         for segment in self.segments:
             segment.close()
         self.segments = []
