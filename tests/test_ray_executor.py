@@ -222,6 +222,7 @@ def test_a_step_sent_to_a_killed_worker_raises_worker_failure_not_a_hang(ray_run
         engine.add_request("a", SIM_PROMPTS[0], SamplingParams(max_tokens=4))
         plan = engine.schedule()
         ray.kill(ex.actors[0], no_restart=True)
+        wait_dead(ex.pids[0])
         with pytest.raises(WorkerFailure, match=r"died"):
             handle = ex.submit(plan.step)
             ex.collect(handle)
