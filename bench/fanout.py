@@ -10,7 +10,10 @@ ends when every answer is back (a broadcast to the tensor-parallel ranks of a no
   actors and the driver), the only knob that bears on how a reader waits;
 - ``shm ring``: ``workers/shm_channel.py``, one broadcast ring to the N actors (each reads it in a
   thread) and one ring back from each; ``spin`` is how long a reader polls after a message before it
-  sleeps on its socket.
+  sleeps on its socket;
+- ``executor rings``: what ``RayExecutor`` runs on one node (``workers/runtime/step_loop.py`` in each
+  actor, the engine's ``_Rings``): the N actors as the tensor-parallel ranks of one stage, so rank 0
+  alone answers (an encoded ``StepOutput``, as a last stage does) and the others only read the step.
 
 Per step: latency p50/p99 and the driver's CPU per step (``--work-ms`` makes each reader sleep that long
 before it answers, as a GPU step would: then the driver's CPU is what waiting costs). Idle: after
@@ -84,10 +87,33 @@ class EchoWorker:
         self._thread.start()
         return self._reply.handle
 
+    def serve_loop(self, role: dict) -> None:
+        """The executor's step loop (rank ``role["rank"]`` of one stage) over this echo worker."""
+        from workers.runtime.step_loop import StepLoop
+        self._loop = StepLoop(_EchoStage(self), f"echo-{role['index']}", **role)
+        self._thread = threading.Thread(target=self._loop.run, daemon=True)
+        self._thread.start()
+
     def stop_ring(self) -> bool:
         """After the driver closed the ring: the thread ends, closing our reply ring (unlinking it)."""
         self._thread.join(10)
         return not self._thread.is_alive()
+
+
+class _EchoStage:
+    """A worker for the step loop: the step decoded (by the loop), the sleep, a one-token answer."""
+
+    def __init__(self, echo: EchoWorker):
+        self.echo = echo
+
+    def check(self, step) -> None:
+        pass
+
+    def execute(self, step, hidden=None):
+        from workers.protocol import StepOutput
+        if self.echo.work_s:
+            time.sleep(self.echo.work_s)
+        return StepOutput(step.step_id, {"req-0": len(step.chunks)})
 
 
 def decode_payload(num_requests: int) -> bytes:
@@ -165,12 +191,31 @@ class ShmRing(Mechanism):
         super().close()
 
 
+class ExecutorRings(Mechanism):
+    def __init__(self, n, work_s, payload):
+        from cluster.ray.executors import _Rings
+        super().__init__(n, work_s)
+        self.rings = _Rings(1, n)
+        ray.get([a.serve_loop.remote(role) for a, role in zip(self.actors, self.rings.roles())], timeout=120)
+        self.payload = payload
+
+    def step(self):
+        handle = self.rings.send(self.payload, False, 60)
+        self.rings.wait_output((handle, 1), None, 60)
+
+    def close(self):
+        self.rings.close()
+        ray.get([a.stop_ring.remote() for a in self.actors], timeout=30)
+        super().close()
+
+
 MECHANISMS = {
     "actor calls": lambda n, w, p: ActorCalls(n, w, p),
     "compiled graph": lambda n, w, p: CompiledGraph(n, w, p),
     "compiled graph, read timeout 5 s": lambda n, w, p: CompiledGraph(n, w, p, 5.0),
     "shm ring, spin 0": lambda n, w, p: ShmRing(n, w, p, 0.0),
     "shm ring, spin 100 us": lambda n, w, p: ShmRing(n, w, p, 1e-4),
+    "executor rings": lambda n, w, p: ExecutorRings(n, w, p),
 }
 
 

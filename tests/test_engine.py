@@ -118,7 +118,7 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
     ray = ray_runtime
     engine, _ = build_engine("tiny-gemma2", block_size=4, num_blocks=200, max_num_batched_tokens=16, executor_cls=RayExecutor)
     try:
-        assert engine.executor.uses_compiled_graph   # one node: the step runs as a Compiled Graph
+        assert engine.executor.uses_shm_rings   # one node: steps travel through shared-memory rings
         for i, prompt in enumerate(PROMPTS[:4]):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10))
         tokens = {f"r{i}": [] for i in range(4)}
@@ -141,7 +141,7 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
                     finished[u.request_id] = u.finish_reason
             steps += 1
         stats = engine.stats()
-        assert engine.executor.uses_compiled_graph   # rebuilt after the restart
+        assert engine.executor.uses_shm_rings   # new rings after the restart
         assert stats["worker_restarts"] == 1
         assert stats["recomputed_requests"] >= 1
         assert finished == {f"r{i}": "length" for i in range(4)}
@@ -152,11 +152,11 @@ def test_killing_a_worker_actor_mid_generation_loses_nothing(ray_runtime):
 
 
 def test_a_chunk_a_worker_actor_refuses_fails_its_request_alone_through_ray(ray_runtime):
-    """The worker's RequestError crosses Ray (a Compiled Graph, two stages) and still names its request."""
+    """The worker's RequestError crosses the rings (two stages) and still names its request."""
     engine, _ = build_engine("tiny-llama", pipeline_parallel_size=2, block_size=4, num_blocks=64, executor_cls=RayExecutor,
                              num_cpus_per_worker=0.5)
     try:
-        assert engine.executor.uses_compiled_graph
+        assert engine.executor.uses_shm_rings
         engine.config.vocab_size = None      # the engine no longer checks ids: the workers (vocab 256) must
         engine.add_request("good", PROMPTS[0], SamplingParams(max_tokens=6))
         engine.add_request("bad", [1, 2, 300], SamplingParams(max_tokens=6))
@@ -169,7 +169,7 @@ def test_a_chunk_a_worker_actor_refuses_fails_its_request_alone_through_ray(ray_
         assert finished == {"good": "length", "bad": "error"}
         assert errors["bad"] == "request 'bad': token_ids must be integers in [0, 256)"
         assert tokens["good"] == reference("tiny-llama", tuple(PROMPTS[0]), 6)
-        assert engine.stats()["worker_restarts"] == 0   # the graph survives a worker's refusal
+        assert engine.stats()["worker_restarts"] == 0   # the workers survive a refusal
     finally:
         engine.executor.shutdown()
 

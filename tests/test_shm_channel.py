@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from workers.shm_channel import ChannelClosed, ChannelError, ChannelTimeout, ShmBroadcast, ShmReader
+from workers.shm_channel import ChannelClosed, ChannelError, ChannelTimeout, ShmBroadcast, ShmReader, ShmSegment
 
 CTX = mp.get_context("spawn")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -38,6 +38,14 @@ def _echo_forever(handle, out) -> None:
 def _write_then_hang(out) -> None:
     writer = ShmBroadcast(1, slots=2, slot_bytes=64)
     out.put(writer.handle)
+    time.sleep(600)
+
+
+def _attach_send_then_hang(handle, messages, out) -> None:
+    writer = ShmBroadcast.attach(handle, poll_s=0.05)
+    for m in messages:
+        writer.send(m, timeout=60)
+    out.put("sent")
     time.sleep(600)
 
 
@@ -194,6 +202,39 @@ def test_a_writer_that_dies_makes_recv_raise_and_its_segment_is_reclaimed():
     finally:
         _stop(writer)
     assert handle.name not in _segments()     # the reader that saw the writer die unlinked its segment
+
+
+def test_a_segment_owned_by_a_third_process_outlives_its_dead_writer_only_until_the_owner_closes_it():
+    """The engine's rings between workers: the engine owns them, a worker writes, another reads."""
+    out = CTX.Queue()
+    owner = ShmSegment(1, slots=2, slot_bytes=64)
+    reader = ShmReader(owner.handle, 0, poll_s=0.05)
+    writer = CTX.Process(target=_attach_send_then_hang, args=(owner.handle, [b"a", b"b" * 200], out))
+    writer.start()
+    try:
+        # 200 bytes: 4 fragments through 2 slots: the writer waits for room while this reader reads
+        assert [reader.recv(timeout=30) for _ in range(2)] == [b"a", b"b" * 200]
+        assert out.get(timeout=60) == "sent"
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(10)
+        with pytest.raises(ChannelError, match=rf"the writer \(pid {writer.pid}\) died"):
+            reader.recv(timeout=30)
+        reader.close()
+    finally:
+        _stop(writer)
+    owner.close()                               # the reader unlinked it already: no error, nothing left
+    assert owner.handle.name not in _segments()
+
+
+def test_a_readers_check_raising_ends_its_wait():
+    with ShmSegment(1, slots=2, slot_bytes=64) as owner:
+        reader = ShmReader(owner.handle, 0, poll_s=0.01)
+        with pytest.raises(KeyError, match="a peer died"):
+            reader.recv(timeout=30, check=lambda: (_ for _ in ()).throw(KeyError("a peer died")))
+        assert not any(reader._ring.words[reader._sleeping:reader._sleeping + 1])   # not left marked asleep
+        reader.close()
+        name = owner.handle.name
+    assert name not in _segments()
 
 
 def test_close_unlinks_the_segment_readers_drain_then_see_closed_and_nothing_is_left_in_dev_shm():

@@ -25,6 +25,10 @@ died, detached or lags past ``timeout`` makes ``send`` raise naming it; a writer
 ``recv`` raise (and unlink the segment, which the writer can no longer do; the writer's resource
 tracker would too, and says so if it finds the name gone); ``recv`` after the writer closed raises
 ``ChannelClosed`` once the ring is drained. Linux only (abstract sockets, /dev/shm).
+
+A third process may own the segment (``ShmSegment``): the engine makes the rings between its workers
+(a pipeline stage's hidden states, the last stage's replies) and unlinks them all at shutdown or restart,
+whichever worker died, so nothing is left in /dev/shm; the writer then attaches (``ShmBroadcast.attach``).
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ class ChannelHandle:
     slot_bytes: int
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
@@ -173,27 +177,83 @@ class _Ring:
         self.buf = self.words = None
 
 
+def _check_timing(spin_s: float, poll_s: float) -> None:
+    if not (spin_s >= 0 and poll_s > 0):
+        raise ValueError(f"spin_s must be >= 0 and poll_s > 0, got {spin_s!r}, {poll_s!r}")
+
+
+def _create(num_readers: int, slots: int, slot_bytes: int) -> tuple[ChannelHandle, shared_memory.SharedMemory]:
+    """A new segment with its header written (writer pid: this process, until a writer attaches)."""
+    for what, value, low in (("num_readers", num_readers, 1), ("slots", slots, 2), ("slot_bytes", slot_bytes, 8)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
+    if slot_bytes % 8:
+        raise ValueError(f"slot_bytes must be a multiple of 8, got {slot_bytes}")
+    name = f"swakv-{os.getpid()}-{secrets.token_hex(4)}"
+    handle = ChannelHandle(name, num_readers, slots, slot_bytes)
+    shm = shared_memory.SharedMemory(name, create=True, size=_Ring.size(num_readers, slots, slot_bytes))
+    words = shm.buf.cast("Q")
+    words[1], words[2], words[3], words[6] = num_readers, slots, slot_bytes, os.getpid()
+    words[0] = MAGIC
+    words.release()
+    return handle, shm
+
+
+def _unlink_owned(shm: shared_memory.SharedMemory) -> None:
+    """Unlink a segment this process made, also when a reader already unlinked it (its writer died)."""
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(shm._name, "shared_memory")   # else the tracker warns at exit
+
+
+class ShmSegment:
+    """A ring's segment owned by a process that neither writes nor reads it: ``close`` unlinks it (so does
+    the owner's resource tracker if the owner dies). Hand ``handle`` to the writer and the readers."""
+
+    def __init__(self, num_readers: int, *, slots: int = 8, slot_bytes: int = 64 << 10):
+        self.handle, self._shm = _create(num_readers, slots, slot_bytes)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            shm.close()
+            _unlink_owned(shm)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class ShmBroadcast:
     """The writing end: ``send(bytes)`` reaches every reader, in order. Create it, hand ``handle`` to the
     readers' processes, ``close()`` when done (unlinks the segment)."""
 
     def __init__(self, num_readers: int, *, slots: int = 8, slot_bytes: int = 64 << 10, spin_s: float = 1e-4,
                  poll_s: float = 1.0):
-        for what, value, low in (("num_readers", num_readers, 1), ("slots", slots, 2), ("slot_bytes", slot_bytes, 8)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{what} must be an integer >= {low}, got {value!r}")
-        if slot_bytes % 8:
-            raise ValueError(f"slot_bytes must be a multiple of 8, got {slot_bytes}")
-        if not (spin_s >= 0 and poll_s > 0):
-            raise ValueError(f"spin_s must be >= 0 and poll_s > 0, got {spin_s!r}, {poll_s!r}")
-        name = f"swakv-{os.getpid()}-{secrets.token_hex(4)}"
-        self.handle = ChannelHandle(name, num_readers, slots, slot_bytes)
-        shm = shared_memory.SharedMemory(name, create=True, size=_Ring.size(num_readers, slots, slot_bytes))
-        self._ring = _Ring(self.handle, owner=shm)
-        w = self._ring.words
-        w[1], w[2], w[3], w[6] = num_readers, slots, slot_bytes, os.getpid()
-        w[0] = MAGIC
-        self._ring.sock.bind(_address(name, "w"))
+        _check_timing(spin_s, poll_s)
+        handle, shm = _create(num_readers, slots, slot_bytes)
+        self._open(_Ring(handle, owner=shm), spin_s, poll_s)
+
+    @classmethod
+    def attach(cls, handle: ChannelHandle, *, spin_s: float = 1e-4, poll_s: float = 1.0) -> ShmBroadcast:
+        """Write to a segment another process made (``ShmSegment``; it unlinks it, not this writer)."""
+        _check_timing(spin_s, poll_s)
+        ring = _Ring(handle)
+        if tuple(ring.words[:4]) != (MAGIC, handle.num_readers, handle.slots, handle.slot_bytes):
+            ring.release()
+            raise ChannelError(f"channel {handle.name}: the segment does not match its handle")
+        self = cls.__new__(cls)
+        self._open(ring, spin_s, poll_s)
+        return self
+
+    def _open(self, ring: _Ring, spin_s: float, poll_s: float) -> None:
+        self.handle, self._ring = ring.handle, ring
+        ring.sock.bind(_address(ring.handle.name, "w"))
+        ring.words[6] = os.getpid()
         self.spin_s, self.poll_s = spin_s, poll_s
         self.closed = False
 
@@ -260,7 +320,7 @@ class ShmBroadcast:
             state, pid = ring.words[ring.reader_word(r, 3)], ring.words[ring.reader_word(r, 2)]
             if state == DETACHED:
                 raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) detached with messages unread")
-            if state == ATTACHED and not _alive(pid):
+            if state == ATTACHED and not process_alive(pid):
                 raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) died")
 
     def readers_sleeping(self) -> list[bool]:
@@ -268,8 +328,8 @@ class ShmBroadcast:
         return [bool(ring.words[ring.reader_word(r, 1)]) for r in range(self.handle.num_readers)]
 
     def close(self) -> None:
-        """Readers get what was sent, then ``ChannelClosed``; the segment is unlinked now (readers keep
-        their mapping until they close)."""
+        """Readers get what was sent, then ``ChannelClosed``; the segment is unlinked now if this writer
+        made it (readers keep their mapping until they close)."""
         if self.closed:
             return
         self.closed = True
@@ -280,7 +340,8 @@ class ShmBroadcast:
             ring.wake(f"r{r}")
         shm = ring.owner
         ring.release()
-        shm.unlink()
+        if shm is not None:      # else the segment's owner unlinks it (``ShmSegment``)
+            _unlink_owned(shm)
 
     def __enter__(self):
         return self
@@ -295,15 +356,14 @@ class ShmReader:
     def __init__(self, handle: ChannelHandle, index: int, *, spin_s: float = 1e-4, poll_s: float = 1.0):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < handle.num_readers:
             raise ValueError(f"reader index must lie in [0, {handle.num_readers}), got {index!r}")
-        if not (spin_s >= 0 and poll_s > 0):
-            raise ValueError(f"spin_s must be >= 0 and poll_s > 0, got {spin_s!r}, {poll_s!r}")
+        _check_timing(spin_s, poll_s)
         ring = _Ring(handle)
         w = ring.words
         if (w[0], w[1], w[2], w[3]) != (MAGIC, handle.num_readers, handle.slots, handle.slot_bytes):
             ring.release()
             raise ChannelError(f"channel {handle.name}: the segment does not match its handle")
         holder = w[ring.reader_word(index, 2)]
-        if w[ring.reader_word(index, 3)] == ATTACHED and _alive(holder):
+        if w[ring.reader_word(index, 3)] == ATTACHED and process_alive(holder):
             ring.release()
             raise ChannelError(f"channel {handle.name}: reader {index} is attached already (pid {holder})")
         ring.sock.bind(_address(handle.name, f"r{index}"))
@@ -314,9 +374,11 @@ class ShmReader:
         self.spin_s, self.poll_s = spin_s, poll_s
         self.closed = False
 
-    def recv(self, timeout: float | None = None) -> bytes:
+    def recv(self, timeout: float | None = None, check=None) -> bytes:
         """The next message. Raises ``ChannelClosed`` once the writer closed and all was read,
-        ``ChannelError`` if the writer died, ``ChannelTimeout`` after ``timeout`` seconds without one."""
+        ``ChannelError`` if the writer died, ``ChannelTimeout`` after ``timeout`` seconds without one.
+        ``check``: called at each ``poll_s`` wake-up while waiting; what it raises, ``recv`` raises (the
+        engine checks there that every worker of the step is alive, not only the one that answers)."""
         if self.closed:
             raise ChannelError("recv on a closed reader")
         ring, h = self._ring, self.handle
@@ -326,7 +388,7 @@ class ShmReader:
         while True:
             seq = words[self._read]
             if words[4] == seq:
-                self._wait(seq, deadline)
+                self._wait(seq, deadline, check)
             at = ring.slots_at + (seq % h.slots) * ring.stride
             size, flags = words[at // 8], words[at // 8 + 1]
             parts.append(bytes(ring.buf[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + size]))
@@ -337,7 +399,7 @@ class ShmReader:
             if flags & LAST:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _wait(self, seq: int, deadline: float | None) -> None:
+    def _wait(self, seq: int, deadline: float | None, check=None) -> None:
         ring, words = self._ring, self._ring.words
         spin_until = time.monotonic() + self.spin_s
         while time.monotonic() < spin_until:
@@ -353,10 +415,16 @@ class ShmReader:
             if words[5]:
                 words[self._sleeping] = 0
                 raise ChannelClosed(f"channel {self.handle.name} was closed by its writer")
-            if not _alive(words[6]):
+            if not process_alive(words[6]):
                 words[self._sleeping] = 0
                 _unlink(self.handle.name)     # nobody else will: the name must not outlive the writer
                 raise ChannelError(f"channel {self.handle.name}: the writer (pid {words[6]}) died")
+            if check is not None:
+                try:
+                    check()
+                except BaseException:
+                    words[self._sleeping] = 0
+                    raise
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 words[self._sleeping] = 0

@@ -46,16 +46,23 @@ class LocalExecutor:
         return self.collect(self.submit(step))
 
     def submit(self, step: StepInput):
-        """Queue the step on every stage (checked on all of them first); a handle for ``collect``."""
-        from workers.runtime.worker import launch_pipeline
+        """Queue the step on every stage (checked on all of them first); a handle for ``collect``.
+        Simulated workers answer at once, and never import torch (the real worker's module does)."""
         self.last_wait_s = 0.0
-        return launch_pipeline(self.workers, step)
+        if self.supports_async:
+            from workers.runtime.worker import launch_pipeline
+            return launch_pipeline(self.workers, step)
+        if len(self.workers) > 1:
+            for worker in self.workers:
+                worker.check(step)
+        out = None
+        for worker in self.workers:
+            out = worker.execute(step, out)
+        return out
 
     def collect(self, handle) -> StepOutput:
         import time
-
-        from workers.runtime.worker import PendingStep
-        if not isinstance(handle, PendingStep):
+        if isinstance(handle, StepOutput):
             return handle                      # simulated workers answered at once
         t0 = time.perf_counter()
         out = self.workers[-1].collect(handle)

@@ -1,61 +1,33 @@
-"""The Ray executor: one worker actor per device, each a thin shell over a worker (``make_worker``).
+"""The Ray executor: one worker actor per device (``worker_actor.WorkerActor``), placed by Ray.
 
-Same interface as ``cluster.engine.executor.LocalExecutor`` (``execute``, ``restart``, ``shutdown``;
-``WorkerFailure`` when a worker is lost). Each step goes to the actors encoded (``workers.wire``), as a
-Ray Compiled Graph when every worker shares this node, and pipeline stages hand hidden states on among
-themselves.
+Same interface as ``cluster.engine.executor.LocalExecutor`` (``execute``, ``submit`` / ``collect``,
+``restart``, ``shutdown``; ``WorkerFailure`` when a worker is lost). Ray places the workers, owns their
+lifetime and reports their death; it is not in the step's path when every worker shares the engine's
+node: then the engine writes each encoded step (``workers.wire``) once to a shared-memory ring that all
+workers read, stages hand hidden states on through link rings, and the last stage's rank 0 answers
+on a reply ring (``workers.runtime.step_loop``). Nothing polls: an idle worker sleeps on its ring, and
+so does the engine while it waits for a step. Workers on other nodes get each step by plain actor calls.
+
+Faults: a step refused because of one request raises that ``RequestError`` (from ``submit`` when it
+was submitted alone, before the next is scheduled, as asynchronous scheduling needs); a worker that
+dies (its pid gone, its ring's writer gone, Ray's actor error) or does not answer within
+``step_timeout_s`` raises ``WorkerFailure``; ``restart`` makes new actors and new rings, and
+``shutdown`` unlinks every ring (the engine made them all), so nothing is left in /dev/shm.
 """
 from __future__ import annotations
 
+import itertools
+import logging
 import os
+import time
 
 from workers.protocol import StepInput, StepOutput
 
 from cluster.engine.engine import WorkerFailure
-from cluster.engine.executor import make_worker
 
+from .worker_actor import WorkerActor
 
-class WorkerActor:
-    """Ray actor shell over a worker: decodes the step, runs it, encodes the result.
-
-    Built in two calls so that tensor-parallel ranks can first agree on a rendezvous: ``address`` (rank
-    0's node and a free port), then ``setup`` on every rank at once.
-    """
-
-    def __init__(self, worker_kwargs: dict):
-        self.worker_kwargs = worker_kwargs
-        self.worker = None
-
-    def address(self) -> tuple[str, int]:
-        import socket
-
-        import ray
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
-
-    def setup(self, rendezvous: dict | None = None) -> int:
-        """``rendezvous``: world rank/size, address, and this stage's tensor-parallel ranks."""
-        kwargs = dict(self.worker_kwargs)
-        if rendezvous:
-            import torch
-            import torch.distributed as dist
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{rendezvous['address']}",
-                                    rank=rendezvous["rank"], world_size=rendezvous["world_size"])
-            groups = [dist.new_group(ranks) for ranks in rendezvous["stage_ranks"]]   # every rank, same order
-            kwargs["tensor_parallel_group"] = groups[rendezvous["stage"]]
-        self.worker = make_worker(kwargs)
-        return os.getpid()
-
-    def node_id(self) -> str:
-        import ray
-        return ray.get_runtime_context().get_node_id()
-
-    def execute(self, payload: bytes, hidden=None):
-        from workers.wire import decode_step, encode_output
-        out = self.worker.execute(decode_step(payload), hidden)
-        return encode_output(out) if isinstance(out, StepOutput) else out
+log = logging.getLogger("swakv.executor")
 
 
 def _owner() -> str:
@@ -90,6 +62,7 @@ class RayExecutor:
     (with ``tensor_parallel_size`` / ``tensor_parallel_rank`` set) per pipeline stage. Ranks are packed; stages too unless
     ``spread_stages`` asks for different nodes. Each step's encoded deltas go to every actor; every rank
     of stage ``k`` receives rank 0 of stage ``k-1``'s hidden states, never passing through the engine.
+    ``shm_rings=False`` sends steps by actor calls even on one node (benches compare the two).
     """
 
     in_process = False
@@ -105,14 +78,14 @@ class RayExecutor:
     def __init__(self, stage_kwargs: list[dict], *, num_gpus_per_worker: float = 0.0, num_cpus_per_worker: float = 1.0,
                  spread_stages: bool = False, step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
                  placement_timeout_s: float = 120.0,
-                 compiled: bool = True, ranks_per_stage: int = 1, replica_set: str | None = None,
+                 shm_rings: bool = True, ranks_per_stage: int = 1, replica_set: str | None = None,
                  spread_wait_s: float = 5.0):
         if len(stage_kwargs) % ranks_per_stage:
             raise ValueError(f"{len(stage_kwargs)} workers do not split into stages of {ranks_per_stage} ranks")
         self.stage_kwargs = stage_kwargs
         self.ranks_per_stage = ranks_per_stage
-        self.compiled = compiled
-        self._dag = None
+        self.shm_rings = shm_rings
+        self._rings: _Rings | None = None
         self.num_gpus = num_gpus_per_worker
         self.num_cpus = num_cpus_per_worker
         self.spread_stages = spread_stages
@@ -122,7 +95,9 @@ class RayExecutor:
         self.replica_set = replica_set      # engine-name prefix of data-parallel siblings to keep away from
         self.spread_wait_s = spread_wait_s
         self.last_payload_bytes = 0
+        self.last_wait_s = 0.0
         self.actors: list = []
+        self.pids: list[int] = []
         self._stages: list[list] = []
         self.worker_names: list[str] = []
         self.placement_group = None
@@ -160,7 +135,7 @@ class RayExecutor:
         actor_cls = ray.remote(WorkerActor)
         env = {"env_vars": {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
                             "OMP_WAIT_POLICY": "PASSIVE"}}   # ranks sharing cores must not spin
-        self.worker_names = [self._name(kw, token) for kw in self.stage_kwargs]
+        self.worker_names = [f"swakv-worker-stage{i // tp}-rank{i % tp}-{token}" for i in range(n)]
         self.actors = [
             actor_cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env, name=name,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -169,23 +144,22 @@ class RayExecutor:
             for i, (kwargs, name) in enumerate(zip(self.stage_kwargs, self.worker_names))]
         try:
             rendezvous = [None] * n
-            if tp > 1:
+            if tp > 1 and not self._simulated:      # simulated ranks share nothing: no collectives
                 host, port = ray.get(self.actors[0].address.remote(), timeout=self.start_timeout_s)
                 stage_ranks = [list(range(s, s + tp)) for s in range(0, n, tp)]
                 rendezvous = [dict(address=f"{host}:{port}", rank=i, world_size=n, stage=i // tp,
                                    stage_ranks=stage_ranks) for i in range(n)]
-            self.pids = ray.get([a.setup.remote(r) for a, r in zip(self.actors, rendezvous)],
-                                timeout=self.start_timeout_s)
+            started = ray.get([a.setup.remote(r) for a, r in zip(self.actors, rendezvous)], timeout=self.start_timeout_s)
+            self.pids = [pid for pid, _ in started]
+            self._stages = [self.actors[s:s + tp] for s in range(0, n, tp)]
+            here = ray.get_runtime_context().get_node_id()
+            if self.shm_rings and all(node == here for _, node in started):
+                self._rings = _Rings(pp, tp)
+                ray.get([a.serve.remote(name, rings) for a, name, rings
+                         in zip(self.actors, self.worker_names, self._rings.roles())], timeout=self.start_timeout_s)
         except Exception as exc:  # noqa: BLE001 - a worker that cannot start is a start-up error
             self.shutdown()
             raise RuntimeError(f"worker actors failed to start: {exc}") from exc
-        self._stages = [self.actors[s:s + tp] for s in range(0, n, tp)]
-        # A Compiled Graph only when every worker shares this process's node: across nodes, Ray 2.60's
-        # graph channels can crash a raylet when the graph is torn down (a worker lost, a restart).
-        here = ray.get_runtime_context().get_node_id()
-        nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=self.start_timeout_s)
-        if self.compiled and all(node == here for node in nodes):
-            self._dag = self._compile()
 
     def _place_apart(self, bundles: list[dict], strategy: str, name: str):
         """The placement group on nodes holding no data-parallel sibling's workers, when there are such
@@ -214,65 +188,189 @@ class RayExecutor:
             ray.util.remove_placement_group(pg)
             return None
 
-    @staticmethod
-    def _name(kwargs: dict, token: str) -> str:
-        stage = kwargs.get("stage", kwargs.get("pipeline_stage", 0)) or 0
-        return f"swakv-worker-stage{stage}-rank{kwargs.get('tensor_parallel_rank', 0)}-{token}"
+    @property
+    def uses_shm_rings(self) -> bool:
+        """Steps travel through shared-memory rings (every worker on this node), not actor calls."""
+        return self._rings is not None
 
     @property
-    def uses_compiled_graph(self) -> bool:
-        return self._dag is not None
+    def supports_async(self) -> bool:
+        """``submit`` can return before the step's result (asynchronous scheduling): over the rings, with
+        one stage, or with simulated workers (whose draws feed nothing). A real later stage would need the
+        last stage's draws back for a chunk fed by the previous step: not done yet."""
+        return self._rings is not None and (len(self._stages) == 1 or self._simulated)
 
-    def _compile(self):
-        """The step as a Ray Compiled Graph: deltas in, each stage feeding the next (see docs/serving.md)."""
-        from ray.dag import InputNode
-        from ray.dag import MultiOutputNode
-        with InputNode() as payload:
-            outputs, hidden = [], None
-            for ranks in self._stages:
-                nodes = [a.execute.bind(payload, hidden) if hidden is not None else a.execute.bind(payload)
-                         for a in ranks]
-                outputs += nodes[1:]   # other ranks' results are not needed, but must be consumed
-                hidden = nodes[0]
-            return MultiOutputNode([hidden] + outputs).experimental_compile()
+    @property
+    def _simulated(self) -> bool:
+        return self.stage_kwargs[0].get("kind") == "simulated"
 
     def execute(self, step: StepInput) -> StepOutput:
+        return self.collect(self._send(step, ack=False))
+
+    def submit(self, step: StepInput):
+        """Send the step; return once the workers took it (a handle for ``collect``). A chunk they refuse
+        raises its ``RequestError`` here, before anything changed on them."""
+        handle = self._send(step, ack=self.supports_async)
+        if self._rings is not None and self.supports_async:
+            t0 = time.perf_counter()
+            self._failing(step.step_id, lambda: self._rings.wait_ack(handle, self._check, self.step_timeout_s))
+            self.last_wait_s = time.perf_counter() - t0
+        return handle
+
+    def _send(self, step: StepInput, ack: bool):
+        from workers.wire import encode_step
+        payload = encode_step(step)              # RequestError naming a chunk msgpack cannot carry
+        self.last_payload_bytes = len(payload) * len(self.actors)
+        self.last_wait_s = 0.0
+        if self._rings is not None:
+            return self._failing(step.step_id, lambda: self._rings.send(payload, ack, self.step_timeout_s)), step.step_id
+        refs, hidden = [], None
+        for ranks in self._stages:
+            stage = [a.execute.remote(payload, hidden) for a in ranks]
+            refs += stage
+            hidden = stage[0]
+        return step.step_id, refs
+
+    def collect(self, handle) -> StepOutput:
+        """The step's ``StepOutput``, or the error it met: the worker's own (a ``RequestError`` keeps its
+        request id), or ``WorkerFailure``."""
         import ray
 
-        from workers.wire import decode_output, encode_step
-        payload = encode_step(step)
-        self.last_payload_bytes = len(payload) * len(self.actors)
+        from workers.wire import decode_output
+        t0 = time.perf_counter()
         try:
-            if self._dag is not None:
-                result = ray.get(self._dag.execute(payload), timeout=self.step_timeout_s)[0]
-            else:
-                refs, hidden = [], None
-                for ranks in self._stages:
-                    stage = [a.execute.remote(payload, hidden) for a in ranks]
-                    refs += stage
-                    hidden = stage[0]
+            if self._rings is not None:
+                return decode_output(self._failing(
+                    handle[1], lambda: self._rings.wait_output(handle, self._check, self.step_timeout_s)))
+            step_id, refs = handle
+            try:
                 result = ray.get(refs, timeout=self.step_timeout_s)[-len(self._stages[-1])]
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError) as exc:
+                raise WorkerFailure(f"step {step_id}: {type(exc).__name__}: {exc}") from exc
             return decode_output(result)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError,
-                ray.exceptions.RayChannelError) as exc:
-            raise WorkerFailure(f"step {step.step_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.last_wait_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _failing(step_id: int, call):
+        """``call()``, a lost or silent worker on the rings raised as ``WorkerFailure``."""
+        from workers.shm_channel import ChannelError
+        try:
+            return call()
+        except ChannelError as exc:
+            raise WorkerFailure(f"step {step_id}: {type(exc).__name__}: {exc}") from exc
+
+    def _check(self) -> None:
+        """Every worker of this node alive (checked while waiting: a dead rank may not be the one that
+        answers, and its peers would wait for it in a collective)."""
+        from workers.shm_channel import process_alive
+        dead = [name for name, pid in zip(self.worker_names, self.pids) if not process_alive(pid)]
+        if dead:
+            raise WorkerFailure(f"worker(s) {dead} died")
 
     def restart(self) -> None:
         self.shutdown()
         self._start()
 
     def shutdown(self) -> None:
-        import threading
-
         import ray
-        if self._dag is not None:   # teardown can wait on a dead actor: bounded, then kill
-            t = threading.Thread(target=self._dag.teardown, kwargs={"kill_actors": True}, daemon=True)
-            t.start()
-            t.join(30)
-            self._dag = None
+        if self._rings is not None:             # the loops end; every segment is unlinked
+            self._rings.close()
+            self._rings = None
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        self.actors = []
+        self.actors, self.pids = [], []
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+class _Rings:
+    """The engine's end of the same-node step path (``workers.runtime.step_loop``): it makes every ring,
+    so it can unlink them all whichever worker died. Replies come in the order steps were sent: an answer
+    for an earlier step that arrives while waiting for a later one is kept until it is collected."""
+
+    LINK_SLOT_BYTES = 1 << 20            # hidden states: a chunk of 512 tokens x 5k x 2 bytes is 5 MB
+
+    def __init__(self, pp: int, tp: int):
+        from workers.shm_channel import ShmBroadcast, ShmReader, ShmSegment
+        from workers.runtime.step_loop import POLL_S, SPIN_S
+        self.pp, self.tp = pp, tp
+        self.segments: list = []
+        self.steps = self.reader = None
+        try:
+            self.steps = ShmBroadcast(pp * tp, spin_s=SPIN_S, poll_s=POLL_S)
+            self.links = [self._segment(ShmSegment(tp, slots=8, slot_bytes=self.LINK_SLOT_BYTES))
+                          for _ in range(pp - 1)]
+            self.reply = self._segment(ShmSegment(1))
+            # The engine checks its workers this often while it waits for an answer.
+            self.reader = ShmReader(self.reply.handle, 0, spin_s=SPIN_S, poll_s=0.2)
+        except BaseException:
+            self.close()
+            raise
+        self._seq = itertools.count(1)
+        self._answers: dict[int, tuple[int, bytes]] = {}    # seq -> (kind, body) read ahead
+
+    def _segment(self, segment):
+        self.segments.append(segment)
+        return segment
+
+    def roles(self) -> list[dict]:
+        """Each worker's rings, stage-major (``StepLoop``'s arguments)."""
+        roles = []
+        for s in range(self.pp):
+            for r in range(self.tp):
+                role = dict(steps=self.steps.handle, index=s * self.tp + r, rank=r)
+                if s > 0:
+                    role["upstream"] = self.links[s - 1].handle
+                if r == 0 and s < self.pp - 1:
+                    role["downstream"] = self.links[s].handle
+                if r == 0 and s == self.pp - 1:
+                    role["replies"] = self.reply.handle
+                roles.append(role)
+        return roles
+
+    def send(self, payload: bytes, ack: bool, timeout: float) -> int:
+        from workers.runtime.step_loop import STEP, STEP_ACK, frame
+        seq = next(self._seq)
+        self.steps.send(frame(STEP_ACK if ack else STEP, seq, payload), timeout=timeout)
+        return seq
+
+    def wait_ack(self, handle, check, timeout: float) -> None:
+        from workers.runtime.step_loop import ACK
+        self._wait(handle[0], ACK, check, timeout)
+
+    def wait_output(self, handle, check, timeout: float) -> bytes:
+        from workers.runtime.step_loop import OUTPUT
+        return self._wait(handle[0], OUTPUT, check, timeout)
+
+    def _wait(self, seq: int, wanted: int, check, timeout: float):
+        from workers.runtime.step_loop import ACK, ERROR, load_error, unframe
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self._answers.get(seq)
+            if answer is not None and (answer[0] != ACK or wanted == ACK):
+                del self._answers[seq]
+                kind, body = answer
+                if kind == ERROR:
+                    raise load_error(body)
+                return body
+            left = deadline - time.monotonic()
+            if left <= 0:
+                from workers.shm_channel import ChannelTimeout
+                raise ChannelTimeout(f"no answer from the workers within {timeout:.0f} s")
+            kind, got, body = unframe(self.reader.recv(timeout=left, check=check))
+            self._answers[got] = (kind, bytes(body))
+
+    def close(self) -> None:
+        """Close both ends and unlink every segment, even if a thread still waits on the reply ring
+        (a shutdown under a running step: that wait then fails, and the step is dropped)."""
+        for end in (self.steps, self.reader):
+            try:
+                if end is not None:
+                    end.close()
+            except Exception as exc:  # noqa: BLE001 - the segments must go whatever the ends say
+                log.warning("closing a step ring: %r", exc)
+        for segment in self.segments:
+            segment.close()
+        self.segments = []
