@@ -319,13 +319,15 @@ def modelled_decode_step_s(model: str, gpu: str, n: int, context: int) -> float:
     return StepCostModel(get_model_preset(model), gpu).step([(context, 1)] * n).time_s
 
 
-def in_process(prompts: list[list[int]], max_tokens: int, model: str, gpu: str, sleep_factor: float) -> dict:
+def in_process(prompts: list[list[int]], max_tokens: int, model: str, gpu: str, sleep_factor: float,
+               async_scheduling: bool = False) -> dict:
     """The same requests, arriving together, on the engine with simulated workers in this process (the
     server's defaults: block 16, 512 batched tokens, 256 sequences; no stop token, as ignore_eos)."""
     from cluster.engine.args import EngineArgs
     from cluster.engine.build import build_engine
     from cluster.engine.types import SamplingParams
-    engine, _ = build_engine(EngineArgs(model, simulated_gpu=gpu, sleep_factor=sleep_factor))
+    engine, _ = build_engine(EngineArgs(model, simulated_gpu=gpu, sleep_factor=sleep_factor,
+                                         async_scheduling=async_scheduling))
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens))
@@ -410,14 +412,17 @@ def run_config(args, sleep_factor: float, rng: random.Random) -> dict:
         log(f"sleep x{sleep_factor:g}: the in-process engine on the same traces (first: a warm-up)")
         in_process(make_prompts(1, args.prompt_len, rng), 4, args.model, args.gpu, 0.0)
         for n in args.streams:
-            engine_alone[n] = in_process(traces[n], args.max_tokens, args.model, args.gpu, sleep_factor)
+            engine_alone[n] = in_process(traces[n], args.max_tokens, args.model, args.gpu, sleep_factor,
+                                         args.async_scheduling)
             log(f"  in-process N={n}: {engine_alone[n]['tok_s']:.0f} tok/s")
     port = args.port or free_port()
     server_args = ["--model", args.model, "--simulated-gpu", args.gpu]
     if sleep_factor:
         server_args += ["--sleep-factor", f"{sleep_factor:g}"]
+    if args.async_scheduling:
+        server_args += ["--async-scheduling"]
     server = Server(server_args, port, dict(kv.split("=", 1) for kv in args.server_env))
-    cfg = {"sleep_factor": sleep_factor, "server_env": args.server_env, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
+    cfg = {"sleep_factor": sleep_factor, "async_scheduling": args.async_scheduling, "server_env": args.server_env, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "runs": []}
     try:
         cfg["start_s"] = server.wait_ready(args.start_timeout)
@@ -471,7 +476,7 @@ def run_config(args, sleep_factor: float, rng: random.Random) -> dict:
 
 
 def render(cfg: dict) -> str:
-    lines = [f"sleep x{cfg['sleep_factor']:g}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
+    lines = [f"sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
              f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'items/st':>8} {'tok/ev':>6} "
@@ -519,6 +524,8 @@ def main() -> int:
     ap.add_argument("--profile-rate", type=int, default=100)
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of the server (and so of Ray's processes), e.g. a Ray Serve flag to try")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the server and the in-process engine schedule step N+1 while step N runs")
     ap.add_argument("--out", help="append the JSON lines here too")
     args = ap.parse_args()
     if any("=" not in kv for kv in args.server_env):
