@@ -128,6 +128,7 @@ def run_one(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, router: str
                 wait_healthy(url, timeout_s=120.0, ready=dp)
             except RuntimeError:
                 pass   # it did not: the report shows fewer replicas ready at the end
+            asyncio.run(stats.poll())   # a restart seen only after the load ended is counted too
         view = router_view(url, dp) if cfg.routers else None
     finally:
         stop_engines(handles)
