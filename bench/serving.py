@@ -351,7 +351,7 @@ def in_process(prompts: list[list[int]], max_tokens: int, model: str, gpu: str, 
 
 
 # -- profiling (optional) -------------------------------------------------------------------------
-PROFILED = ("ray::ServeReplica", "ray::EngineService", "ray::WorkerActor", "ray::ProxyActor")
+PROFILED = ("ray::ServeReplica", "ray::HTTPEdge", "ray::EngineService", "ray::WorkerActor", "ray::ProxyActor")
 
 
 def start_profiles(root: int, directory: str, tag: str, rate: int) -> list[subprocess.Popen]:
@@ -405,10 +405,14 @@ def goals(cfg: dict) -> list[tuple[str, bool | None]]:
     return out
 
 
-def run_config(args, sleep_factor: float, rng: random.Random) -> dict:
+def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "direct",
+               engine_alone: dict | None = None) -> dict:
+    """One server (``frontend``, ``sleep_factor``) on every stream count; ``engine_alone`` (the in-process
+    engine's runs on the same traces) is measured here unless given."""
     traces = {n: make_prompts(n, args.prompt_len, rng) for n in args.streams}
-    engine_alone = {}
-    if not args.no_engine:
+    given = engine_alone is not None
+    engine_alone = {} if engine_alone is None else engine_alone
+    if not args.no_engine and not given:
         log(f"sleep x{sleep_factor:g}: the in-process engine on the same traces (first: a warm-up)")
         in_process(make_prompts(1, args.prompt_len, rng), 4, args.model, args.gpu, 0.0)
         for n in args.streams:
@@ -416,13 +420,13 @@ def run_config(args, sleep_factor: float, rng: random.Random) -> dict:
                                          args.async_scheduling)
             log(f"  in-process N={n}: {engine_alone[n]['tok_s']:.0f} tok/s")
     port = args.port or free_port()
-    server_args = ["--model", args.model, "--simulated-gpu", args.gpu]
+    server_args = ["--model", args.model, "--simulated-gpu", args.gpu, "--frontend", frontend]
     if sleep_factor:
         server_args += ["--sleep-factor", f"{sleep_factor:g}"]
     if args.async_scheduling:
         server_args += ["--async-scheduling"]
     server = Server(server_args, port, dict(kv.split("=", 1) for kv in args.server_env))
-    cfg = {"sleep_factor": sleep_factor, "async_scheduling": args.async_scheduling, "server_env": args.server_env, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
+    cfg = {"frontend": frontend, "sleep_factor": sleep_factor, "async_scheduling": args.async_scheduling, "server_env": args.server_env, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "runs": []}
     try:
         cfg["start_s"] = server.wait_ready(args.start_timeout)
@@ -472,11 +476,12 @@ def run_config(args, sleep_factor: float, rng: random.Random) -> dict:
         log("stopping the server")
         server.stop()
     cfg["goals"] = goals(cfg)
+    cfg["engine_alone"] = engine_alone
     return cfg
 
 
 def render(cfg: dict) -> str:
-    lines = [f"sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
+    lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
              f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'items/st':>8} {'tok/ev':>6} "
@@ -519,13 +524,15 @@ def main() -> int:
     ap.add_argument("--stream-timeout", type=float, default=300.0, help="per stream")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine runs")
-    ap.add_argument("--profile", metavar="DIR", help="py-spy record the replica, engine, worker and proxy into DIR")
+    ap.add_argument("--profile", metavar="DIR", help="py-spy record the HTTP edge (or replica and proxy), engine and worker into DIR")
     ap.add_argument("--profile-streams", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--profile-rate", type=int, default=100)
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of the server (and so of Ray's processes), e.g. a Ray Serve flag to try")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the server and the in-process engine schedule step N+1 while step N runs")
+    ap.add_argument("--frontend", nargs="+", choices=("direct", "serve"), default=["direct"],
+                    help="one server per frontend and sleep factor (swakv serve --frontend), side by side")
     ap.add_argument("--out", help="append the JSON lines here too")
     args = ap.parse_args()
     if any("=" not in kv for kv in args.server_env):
@@ -539,16 +546,19 @@ def main() -> int:
             ap.error("--profile needs py-spy (pip install py-spy)")
         os.makedirs(args.profile, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)   # a SIGTERM stops the server too, as Ctrl-C does
-    rng = random.Random(args.seed)
     load = os.getloadavg()
     results = []
     try:
         for factor in args.sleep_factor:
-            cfg = run_config(args, factor, rng)
-            cfg["loadavg_before"] = load
-            results.append(cfg)
-            print(render(cfg), flush=True)
-            print(flush=True)
+            engine_alone = None
+            for frontend in args.frontend:
+                # the same traces (drawn first in run_config) for every frontend of this sleep factor
+                cfg = run_config(args, factor, random.Random(f"{args.seed}-{factor}"), frontend, engine_alone)
+                engine_alone = cfg.pop("engine_alone")
+                cfg["loadavg_before"] = load
+                results.append(cfg)
+                print(render(cfg), flush=True)
+                print(flush=True)
     except KeyboardInterrupt:
         log("interrupted")
         return 130

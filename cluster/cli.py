@@ -25,7 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve.launch import serve_forever
     return serve_forever(engine, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus,
                          dashboard=args.dashboard, max_body_bytes=args.max_body_bytes,
-                         data_parallel_size=args.data_parallel_size, router=args.router)
+                         data_parallel_size=args.data_parallel_size, router=args.router, frontend=args.frontend,
+                         http_frontends=args.http_frontends)
 
 
 def _engine_flags() -> list:
@@ -61,6 +62,13 @@ def _add_serve(sub) -> None:
     p.add_argument("--router", choices=ROUTERS, default="prefix",
                    help="how a request picks a replica: prefix (window-aware prefix hits and load, the default), "
                         "round-robin, least-loaded, or ray-prefix-tree (Ray Serve LLM's text-prefix policy)")
+    p.add_argument("--frontend", choices=("direct", "serve"), default="direct",
+                   help="the HTTP side: direct (uvicorn in a Ray actor on this node, one hop from the engines; the "
+                        "default) or serve (a Ray Serve app: its proxy and a replica in between, as "
+                        "ray_configs/serve.yaml deploys)")
+    p.add_argument("--http-frontends", type=positive_int, default=1,
+                   help="with --frontend direct: uvicorn actors sharing the port, for more than one core of HTTP "
+                        "work (default 1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=positive_int, default=8000)
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")

@@ -20,7 +20,7 @@ import ray
 from ray import serve
 
 from cluster.ray.engine_actor import NAMESPACE
-from cluster.serve.server import build_app, run
+from cluster.serve.ray_serve import build_app, run
 
 from drivers import start_engine_actor, stop_engine_actor
 

@@ -1,4 +1,6 @@
-"""The Ray Serve application end to end: real HTTP, a real engine actor on a tiny hybrid model.
+"""The OpenAI app end to end behind ``swakv serve``'s default HTTP edge (uvicorn in a Ray actor): real HTTP,
+a real engine actor on a tiny hybrid model. (``test_openai_client`` and ``test_replicas`` run the same app
+as a Ray Serve deployment.)
 
 Expected tokens come from transformers' own dense greedy decode of the same tiny model (seed 0), never
 from the server. Ray and Serve start once for the whole module; the engine-restart test runs last.
@@ -15,11 +17,10 @@ import httpx
 import pytest
 import ray
 import torch
-from ray import serve
 from starlette.responses import StreamingResponse
 
 from cluster.ray.engine_actor import NAMESPACE
-from cluster.serve.server import build_app, run
+from cluster.serve.launch import start_edges, stop_edges
 from cluster.serve.streaming import EventStream
 from cluster.engine.tokenizer import StreamDecoder, load_tokenizer
 from workers.models.tiny_models import build_tiny_model
@@ -74,18 +75,24 @@ def chat_ids(*turns: tuple[str, str]) -> tuple[int, ...]:
 # -- fixtures and helpers --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def url(ray_runtime):
+    edges = []
     try:
         start_engine()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        run(build_app(ENGINE, NAMESPACE, MODEL, None, MAX_LEN, BODY_LIMIT), port=port, name="test-serve")
+        port = free_port()
+        edges += start_edges(([ENGINE], NAMESPACE, MODEL, None, MAX_LEN, BODY_LIMIT, "prefix"), port=port,
+                             name="test-serve-http")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        stop_edges(edges)
         for handle in _handles:
             stop_engine_actor(handle)
         _handles.clear()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def sse_events(lines) -> list:
@@ -445,10 +452,12 @@ def test_a_request_the_engine_fails_alone_gets_a_500_and_the_others_are_served(u
     handle, _ = start_engine_actor(dict(model=str(tmp_path), block_size=BLOCK, num_blocks=NUM_BLOCKS,
                                         max_model_len=MAX_LEN), name="test-serve-poisoned", max_restarts=0,
                                    timeout_s=120)
+    edges = []
     try:
-        serve.run(build_app("test-serve-poisoned", NAMESPACE, MODEL, None, MAX_LEN), name="poisoned",
-                  route_prefix="/poisoned")
-        base = url + "/poisoned"
+        port = free_port()
+        edges += start_edges((["test-serve-poisoned"], NAMESPACE, MODEL, None, MAX_LEN, BODY_LIMIT, "prefix"),
+                             port=port, name="test-serve-poisoned-http")
+        base = f"http://127.0.0.1:{port}"
 
         async def main():
             async with httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -467,7 +476,7 @@ def test_a_request_the_engine_fails_alone_gets_a_500_and_the_others_are_served(u
         r = httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 8}, timeout=60)
         assert r.json()["choices"][0]["token_ids"] == clean
     finally:
-        serve.delete("poisoned")
+        stop_edges(edges)
         stop_engine_actor(handle)
 
 
@@ -529,6 +538,31 @@ def test_client_disconnect_aborts_the_request(url):
     assert stats["finished"].get("length", 0) == before   # both were aborted, not run to their end
     r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 12}, timeout=60)
     assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 12)
+
+
+def test_a_crashed_http_edge_is_restarted_by_ray_and_serves_again(url):
+    """The edge is a plain actor: if its process dies, Ray starts it again and it binds the same port."""
+    edge = ray.get_actor("test-serve-http-0", namespace=NAMESPACE)
+    pid = ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30)
+    ray.kill(edge, no_restart=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    assert ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30) != pid
+    assert_still_serving(url)
+
+
+def test_an_http_edge_on_a_port_in_use_fails_with_the_port_named(url):
+    port = int(url.rsplit(":", 1)[1])
+    with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}.*[Aa]ddress already in use"):
+        start_edges(([ENGINE], NAMESPACE, MODEL, None, MAX_LEN, BODY_LIMIT, "prefix"), port=port,
+                    name="test-serve-second-http")
+    assert_still_serving(url)
 
 
 def test_shutdown_tells_in_flight_requests_and_readiness_turns_503(url):

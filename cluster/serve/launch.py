@@ -9,6 +9,7 @@ a stop is bounded and complete however the signal arrives.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -18,18 +19,72 @@ from cluster.engine.types import ModelInfo
 from cluster.ray.engine_actor import NAMESPACE
 from cluster.ray.launch import engine_names, init_ray, kill_engines, shutdown_engines, start_engine_actors
 
-from .server import DEFAULT_MAX_BODY_BYTES, build_app, run
+from .edge import GRACEFUL_S, HTTPEdge, bind
+from .openai import DEFAULT_MAX_BODY_BYTES
+from .ray_serve import build_app, run
 from .supervisor import goodbye_deadline
+
+FRONTENDS = ("direct", "serve")
+EDGE_ACTOR_NAME = "swakv-http"
+
+
+def server_args(info: ModelInfo, names: list[str], *, max_body_bytes: int | None = None,
+                router: str = "prefix") -> tuple:
+    """``OpenAIServer``'s arguments for the engines ``names`` (found by name when needed), described by one
+    engine's model info: its name, context length, and tokenizer (the model directory's, if it has one)."""
+    path = info.get("model_path")
+    tokenizer_dir = path if path and os.path.isdir(path) else None
+    return (names, NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"],
+            max_body_bytes or DEFAULT_MAX_BODY_BYTES, router)
 
 
 def app_for(info: ModelInfo, names: list[str], *, max_body_bytes: int | None = None, router: str = "prefix",
             ray_actor_options: dict | None = None):
-    """The OpenAI app in front of the engines ``names`` (found by name when needed), described by one
-    engine's model info: its name, context length, and tokenizer (the model directory's, if it has one)."""
-    path = info.get("model_path")
-    tokenizer_dir = path if path and os.path.isdir(path) else None
-    return build_app(names, NAMESPACE, info["model"], tokenizer_dir, info["max_model_len"],
-                     max_body_bytes or DEFAULT_MAX_BODY_BYTES, router=router, ray_actor_options=ray_actor_options)
+    """The Serve app in front of the engines ``names``."""
+    return build_app(*server_args(info, names, max_body_bytes=max_body_bytes, router=router),
+                     ray_actor_options=ray_actor_options)
+
+
+def start_edges(args: tuple, *, host: str = "127.0.0.1", port: int = 8000, count: int = 1,
+                name: str = EDGE_ACTOR_NAME) -> list:
+    """``count`` HTTP edges (``edge.py``) of ``OpenAIServer(*args)`` on this node sharing ``host:port``, each
+    restarted by Ray if its process dies; returns their handles once all serve. A port in use is a
+    ``RuntimeError`` naming it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    actor = ray.remote(HTTPEdge)
+    handles = [actor.options(name=f"{name}-{i}", num_cpus=0, max_restarts=-1, namespace=NAMESPACE,
+                             scheduling_strategy=here).remote(args, host, port, count > 1) for i in range(count)]
+    try:
+        ray.get([h.ready.remote() for h in handles], timeout=60)
+    except Exception as exc:
+        for h in handles:
+            ray.kill(h, no_restart=True)
+        raise RuntimeError(f"the HTTP edge did not start on {host}:{port}: {_cause(exc)}") from None
+    return handles
+
+
+def stop_edges(handles: list, timeout_s: float = GRACEFUL_S + 5) -> None:
+    """Let each edge finish its open responses (bounded), then end it for good."""
+    import ray
+    try:
+        ray.get([h.stop.remote(timeout_s) for h in handles], timeout=timeout_s + 5)
+    except Exception:  # noqa: BLE001 - a dead or stuck edge is killed below all the same
+        pass
+    for h in handles:
+        ray.kill(h, no_restart=True)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail now, before any engine starts, when ``host:port`` is taken."""
+    bind(host, port).close()
+
+
+def _cause(exc: BaseException) -> str:
+    """What failed inside Ray's wrapping: the OS's error for a port in use, else the first line."""
+    found = re.search(r"\[Errno \d+\] cannot listen on [^:]+:\d+: (.+)", str(exc))
+    return found.group(1) if found else (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def deploy(info: ModelInfo, names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
@@ -40,23 +95,37 @@ def deploy(info: ModelInfo, names: list[str], *, host: str = "127.0.0.1", port: 
     return run(app, host=host, port=port, proxy_location=proxy_location)
 
 
-def stop_serving(engine_handles: list, timeout_s: float = 30.0) -> int:
+def stop_serving(engine_handles: list, timeout_s: float = 30.0, edges: list | None = None) -> int:
     """Before tearing down: every engine refuses new requests and ends every stream with a "server is
-    shutting down" error; then Serve shuts down gracefully, which waits for the replicas to deliver those
-    last events; then the engines go. Returns how many requests were in flight. Bounded."""
+    shutting down" error; then the HTTP side stops gracefully, which lets it deliver those last events
+    (``edges``: the direct edges; else Serve); then the engines go. Returns how many requests were in
+    flight. Bounded."""
     in_flight = shutdown_engines(engine_handles, timeout_s)
-    _stop_serve(timeout_s)
+    if edges is not None:
+        stop_edges(edges)
+    else:
+        _stop_serve(timeout_s)
     kill_engines(engine_handles)
     return in_flight
 
 
 def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
                   num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None,
-                  data_parallel_size: int = 1, router: str = "prefix") -> int:
-    """``swakv serve``: the engines for ``args`` and the app in front, until Ctrl-C or SIGTERM."""
+                  data_parallel_size: int = 1, router: str = "prefix", frontend: str = "direct",
+                  http_frontends: int = 1) -> int:
+    """``swakv serve``: the engines for ``args`` and the app in front (``frontend``: ``direct``, uvicorn
+    actors on this node, ``http_frontends`` of them sharing the port; or ``serve``, a Ray Serve app),
+    until Ctrl-C or SIGTERM."""
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
+    try:
+        check_port(host, port)
+    except OSError as exc:
+        print(f"swakv serve: error: {exc.strerror}", file=sys.stderr)
+        return 1
     ray = init_ray(address, num_cpus, dashboard)
     started_here = not address
-    handles = []
+    handles, edges = [], [] if frontend == "direct" else None
 
     def _stop(signum, frame):
         # the first Ctrl-C or SIGTERM starts the goodbyes; a second one must not cut them short
@@ -72,11 +141,15 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
         started = start_engine_actors(args, data_parallel_size)   # held: a named actor lives while handles do
         handles = [h for h, _ in started]
         info = started[0][1]
-        deploy(info, engine_names(data_parallel_size), host=host, port=port, max_body_bytes=max_body_bytes,
-               router=router)
+        names = engine_names(data_parallel_size)
+        if frontend == "direct":
+            edges = start_edges(server_args(info, names, max_body_bytes=max_body_bytes, router=router), host=host,
+                                port=port, count=http_frontends)
+        else:
+            deploy(info, names, host=host, port=port, max_body_bytes=max_body_bytes, router=router)
         _wait_routable(host, port)
         print(f"swakv: serving {info['model']} on http://{host}:{port}  "
-              f"({data_parallel_size} replica(s), router {router}; each {info['num_blocks']} KV units, "
+              f"({data_parallel_size} replica(s), router {router}, frontend {frontend}; each {info['num_blocks']} KV units, "
               f"{info['num_groups']} groups, max_model_len {info['max_model_len']})\n"
               f"  curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{info['model']}\", \"prompt\": \"The \", \"max_tokens\": 32}}'\n"
@@ -93,9 +166,11 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
         goodbye_deadline()
         try:
             if handles:
-                n = stop_serving(handles)
+                n = stop_serving(handles, edges=edges)
                 print(f"swakv: told {n} in-flight request(s) that the server is shutting down", file=sys.stderr)
-            else:
+            elif edges is not None:
+                stop_edges(edges)
+            elif frontend == "serve":
                 _stop_serve(timeout_s=30)
             if started_here:
                 ray.shutdown()      # stops every process of the runtime it started

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible Ray Serve application in front of the named engine actors: its routes.
+"""The OpenAI-compatible server in front of the named engine actors: its routes (``make_app``), served by
+``edge.py``'s uvicorn actor (``swakv serve``'s default) or as a Ray Serve deployment (``ray_serve.py``).
 
-Replicas hold no model: they tokenise, validate, and relay the engines' updates, so several replicas can
-share one engine. Each replica holds one subscription per engine (``feed.py``): one Ray message per
+A server holds no model: it tokenises, validates, and relays the engines' updates, so several servers
+can share one engine. Each holds one subscription per engine (``feed.py``): one Ray message per
 engine step carries every one of its requests' new tokens; they are detokenised here, per request, and a
 stream that falls behind gets every token queued for it in one event. Everything a client can get wrong is answered with a 4xx and an
 OpenAI-shaped error body (``{"error": {"message", "type", "param", "code"}}``) before the engine sees
@@ -16,7 +17,7 @@ One request cannot stall the others: bodies over ``max_body_bytes`` get a 413 be
 whole; large bodies are parsed and their prompts tokenised in a thread, off the event loop; a text
 prompt that cannot fit the context is refused from its length before it is encoded, when the tokenizer
 bounds characters per token. ``X-Request-Id`` is the client's label for its request, echoed back (by
-Serve's proxy) and in the response ``id``; the engine names each request itself, uniquely.
+Serve's proxy, or ``edge.ClientWatch``) and in the response ``id``; the engine names each request itself, uniquely.
 
 Sampling is greedy unless ``temperature`` is set; ``max_tokens`` defaults to the rest of the context.
 Stop strings are matched here, on the detokenised text (the engine request is aborted at the match);
@@ -30,7 +31,6 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -55,24 +55,6 @@ ENGINE_CALL_TIMEOUT_S = 30.0
 HEALTH_TIMEOUT_S = 5.0
 
 
-# -- the application ----------------------------------------------------------------------------
-app = FastAPI(title="swakv", docs_url=None, redoc_url=None)
-
-
-@app.exception_handler(APIError)
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return APIError(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
-                    else "invalid_request_error", code="not_found" if exc.status_code == 404 else None).response()
-
-
-
-@serve.deployment(max_ongoing_requests=256, ray_actor_options={"num_cpus": 0})
-@serve.ingress(app)
 class OpenAIServer:
     _eos_token_ids: tuple[int, ...] = ()   # the model's own EOS ids besides the tokenizer's; learned from the engine
 
@@ -264,6 +246,14 @@ class OpenAIServer:
         return self._events(choices, prompts, dict(zip((c.index for c in firsts), opened)))
 
     async def _events(self, choices: list[ResponseChoice], prompts: list[PromptHashes], opened: dict):
+        if len(choices) == 1:   # the common case: no task and queue in between, one wake-up per engine item
+            one = self._one_choice(choices[0], opened[choices[0].index])
+            try:
+                async for event in one:
+                    yield event
+            finally:
+                await one.aclose()
+            return
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(c, opened.get(c.index), prompts[c.prompt], queue)) for c in choices]
         try:
@@ -286,6 +276,23 @@ class OpenAIServer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    async def _one_choice(choice: ResponseChoice, opened):
+        """``_events`` of a response with one choice, read straight from its engine stream (which merges
+        the items queued behind the next one when this consumer lags)."""
+        items, item = opened
+        try:
+            while True:
+                delta, added = choice.feed(item)
+                yield choice, delta, item, choice.finish_reason, added
+                if choice.done:
+                    return
+                item = await anext(items)
+        except Exception as exc:  # noqa: BLE001 - as the multi-choice path raises it
+            raise error_from_engine(exc) from None
+        finally:
+            await items.aclose()   # stopped early (a stop string, a client gone): the engine request is aborted
 
     def _logprobs(self, kind: str, body: Body, c: ResponseChoice, entries: list, prompt: list[int] | None) -> dict:
         """OpenAI's logprobs object for a choice's (token, text offset, engine entry) entries; after its
@@ -405,7 +412,6 @@ class OpenAIServer:
         yield sse("[DONE]")
 
     # -- routes ---------------------------------------------------------------------------------
-    @app.post("/v1/completions")
     async def completions(self, request: Request):
         body = await parse_body(request, CompletionBody, self.max_body_bytes)
         await self._connect()   # the model's vocabulary and EOS ids, before checking against them
@@ -426,7 +432,6 @@ class OpenAIServer:
                   for p, ids in zip(batch, prompts)]
         return await self._respond("completion", body, prompts, params, request, echoes)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         body = await parse_body(request, ChatBody, self.max_body_bytes)
         await self._connect()
@@ -439,7 +444,6 @@ class OpenAIServer:
         prompt = await self._tokenize(self.tokenizer.chat_prompt, messages, size)
         return await self._respond("chat", body, [prompt], params, request, max_field=max_field)
 
-    @app.post("/tokenize")
     async def tokenize(self, request: Request):
         """vLLM's: a prompt's token ids as the completions route encodes it, or chat messages' as the chat
         route does (its template applied), with ``count`` and ``max_model_len`` to check a fit before sending."""
@@ -457,7 +461,6 @@ class OpenAIServer:
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": self.tokenizer.pieces(ids) if body.return_token_strs else None}
 
-    @app.post("/detokenize")
     async def detokenize(self, request: Request):
         """vLLM's: the text of token ids, as a completion's text decodes them (special tokens skipped)."""
         body = await parse_body(request, DetokenizeBody, self.max_body_bytes)
@@ -472,18 +475,15 @@ class OpenAIServer:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "swakv",
                 "max_model_len": self.max_model_len}
 
-    @app.get("/v1/models")
     async def models(self):
         return {"object": "list", "data": [self._model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str):
         if model_id != self.model_name:
             raise APIError(404, f"The model {model_id!r} does not exist", "invalid_request_error", param="model",
                            code="model_not_found")
         return self._model_card()
 
-    @app.get("/health")
     async def health(self):
         """Readiness: 200 when at least one replica would serve a completion now (the router sends
         requests only to ready replicas); 503 (with why) when none would. ``replicas`` lists each one's
@@ -520,12 +520,10 @@ class OpenAIServer:
                     return {"status": "engine_restarted", "detail": type(exc).__name__}
         raise AssertionError("unreachable")
 
-    @app.get("/health/live")
     async def live(self):
         """Liveness: this replica answers, whatever the engine's state (restart the replica if not)."""
         return {"status": "ok"}
 
-    @app.get("/metrics")
     async def metrics(self):
         """Every engine series labelled with its replica (a replica that does not answer has none but
         ``swakv_replica_up 0``), and the router's own counters."""
@@ -544,19 +542,27 @@ class OpenAIServer:
                                                  self.replicas), media_type="text/plain; version=0.0.4")
 
 
-def build_app(engine_names: str | list[str], namespace: str, model_name: str, tokenizer_dir: str | None = None,
-              max_model_len: int = 4096, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, router: str = "prefix",
-              ray_actor_options: dict | None = None):
-    """A bound Serve application for ``serve.run``; the engine actors are found by name when needed.
-    ``ray_actor_options``: where its replica runs, when not anywhere (the load test pins it to the head)."""
-    make_router(router)   # an unknown router name fails here, before anything is deployed
-    deployment = OpenAIServer.options(ray_actor_options=ray_actor_options) if ray_actor_options else OpenAIServer
-    return deployment.bind(engine_names, namespace, model_name, tokenizer_dir, max_model_len, max_body_bytes, router)
+ROUTES = [("POST", "/v1/completions", "completions"), ("POST", "/v1/chat/completions", "chat_completions"),
+          ("POST", "/tokenize", "tokenize"), ("POST", "/detokenize", "detokenize"),
+          ("GET", "/v1/models", "models"), ("GET", "/v1/models/{model_id:path}", "model"),
+          ("GET", "/health", "health"), ("GET", "/health/live", "live"), ("GET", "/metrics", "metrics")]
 
 
-def run(app, host: str = "127.0.0.1", port: int = 8000, name: str = "swakv", proxy_location: str | None = None):
-    """Serve ``app`` over HTTP on ``host:port`` (Ray must be initialised); returns the deployment handle.
-    ``proxy_location``: Serve's (EveryNode by default; the load test keeps the proxy on its head node)."""
-    serve.start(http_options={"host": host, "port": port},
-                **({"proxy_location": proxy_location} if proxy_location else {}))
-    return serve.run(app, name=name, route_prefix="/")
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return APIError(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404
+                    else "invalid_request_error", code="not_found" if exc.status_code == 404 else None).response()
+
+
+def make_app(server: OpenAIServer) -> FastAPI:
+    """The FastAPI app whose routes are ``server``'s methods: what both HTTP edges serve (``edge.py``'s
+    uvicorn actor, ``ray_serve.py``'s Serve deployment)."""
+    app = FastAPI(title="swakv", docs_url=None, redoc_url=None)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(server, name), methods=[method])
+    return app

@@ -1,0 +1,126 @@
+"""The HTTP edge without Serve: the OpenAI app under uvicorn in a plain Ray actor, one hop from the engines.
+
+Behind Ray Serve a token crosses two more processes (Serve's proxy, then its replica) before the client;
+those two were the busiest processes of the served path at every concurrency and capped it at 2-3.6k SSE
+events/s on this machine (``docs/serving-path-diagnosis.md``). Here the actor that holds the engines'
+subscriptions (``feed.py``) writes the HTTP responses itself.
+
+``HTTPEdge`` is the plain class: it binds the port when constructed (a port in use fails the actor's
+creation with the OS's error), then runs uvicorn on a thread of its own with its own event loop, so the
+edge serves as soon as it exists, also when Ray restarts a crashed actor. Serve's proxy did two things
+for the app that uvicorn does not, so ``ClientWatch`` does them: it cancels a request's handler when its
+client goes away (which aborts the engine requests), and echoes ``X-Request-Id``.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import uvicorn
+
+from .server import OpenAIServer, make_app
+
+STARTUP_TIMEOUT_S = 30.0
+GRACEFUL_S = 10.0      # how long a stop waits for open responses (the engines have ended them by then)
+
+
+class ClientWatch:
+    """ASGI middleware: once a request's body is read, a disconnect cancels its handler (streaming or not);
+    responses carry the request's ``X-Request-Id``."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        body_read, finished = asyncio.Event(), False
+
+        async def tracked_receive():
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def tracked_send(message):
+            nonlocal finished
+            if message["type"] == "http.response.start" and request_id is not None:
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                finished = True
+            await send(message)
+
+        handler = asyncio.create_task(self.app(scope, tracked_receive, tracked_send))
+
+        async def watch():
+            await body_read.wait()
+            # after the body, uvicorn's receive returns only once the client has gone (or the response is over)
+            if (await receive())["type"] == "http.disconnect" and not finished:
+                handler.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await handler
+        except asyncio.CancelledError:
+            if not handler.cancelled():
+                raise
+        finally:
+            watcher.cancel()
+
+
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on ``host:port``; ``reuse_port`` lets several edges share it (the kernel spreads
+    connections over them); without it, a port in use is an error rather than a silent share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class HTTPEdge:
+    """The OpenAI app (an ``OpenAIServer`` over the named engines) served by uvicorn on ``host:port``."""
+
+    def __init__(self, server_args: tuple, host: str, port: int, reuse_port: bool = False):
+        sock = bind(host, port, reuse_port)
+        self.server = OpenAIServer(*server_args)
+        config = uvicorn.Config(ClientWatch(make_app(self.server)), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=GRACEFUL_S, backlog=2048)
+        self.uvicorn = uvicorn.Server(config)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(sock,), name="http-edge", daemon=True)
+        self.thread.start()
+        self.thread.join(0)
+        for _ in range(int(STARTUP_TIMEOUT_S / 0.01)):
+            if self.uvicorn.started or not self.thread.is_alive():
+                break
+            self.thread.join(0.01)
+        if not self.uvicorn.started:
+            raise RuntimeError(f"the HTTP edge did not start on {host}:{port}: {self.error!r}")
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            asyncio.run(self.uvicorn.serve(sockets=[sock]))
+        except BaseException as exc:  # noqa: BLE001 - reported by the constructor or ``stop``
+            self.error = exc
+        finally:
+            sock.close()
+
+    def ready(self) -> bool:
+        return self.uvicorn.started and self.thread.is_alive()
+
+    def stop(self, timeout_s: float = GRACEFUL_S + 5) -> bool:
+        """Stop accepting, let open responses end (within uvicorn's graceful bound); True when it stopped."""
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
