@@ -557,6 +557,22 @@ def test_a_crashed_http_edge_is_restarted_by_ray_and_serves_again(url):
     assert_still_serving(url)
 
 
+def test_two_http_edges_share_a_port_and_one_serves_when_the_other_is_gone(url):
+    port = free_port()
+    edges = start_edges(([ENGINE], NAMESPACE, MODEL, None, MAX_LEN, BODY_LIMIT, "prefix"), port=port, count=2,
+                        name="test-serve-pair-http")
+    try:
+        base = f"http://127.0.0.1:{port}"
+        pids = {ray.get(e.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30) for e in edges}
+        assert len(pids) == 2
+        assert_still_serving(base)
+        ray.kill(edges[0], no_restart=True)
+        for _ in range(8):   # a new connection each time: whichever edge the kernel picks must be alive
+            assert_still_serving(base)
+    finally:
+        stop_edges(edges)
+
+
 def test_an_http_edge_on_a_port_in_use_fails_with_the_port_named(url):
     port = int(url.rsplit(":", 1)[1])
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{port}.*[Aa]ddress already in use"):
