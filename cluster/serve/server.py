@@ -27,6 +27,7 @@ KV blocks through the prefix cache instead of computing the prompt ``n`` times.
 
 import asyncio
 import dataclasses
+import json
 import time
 
 from fastapi import FastAPI, Request
@@ -380,6 +381,13 @@ class OpenAIServer:
         echo, wants_logprobs = getattr(body, "echo", False), choices[0].params.logprobs is not None
         produced = [0] * len(choices)   # tokens each choice has streamed
 
+        opening = json.dumps(head)[:-1] + ', "choices": ['   # the same for every chunk: encoded once
+
+        def chunk(choice: dict, extra: dict) -> str:
+            """``sse({**head, "choices": [choice], **extra})``, the head not encoded again."""
+            rest = "".join(f", {json.dumps(k)}: {json.dumps(v)}" for k, v in extra.items())
+            return f"data: {opening}{json.dumps(choice)}]{rest}}}\n\n"
+
         def so_far(c: ResponseChoice, cached: int = 0) -> dict:
             return {"usage": usage(len(prompts[c.prompt]), produced[c.index], cached)} if continuous else {}
 
@@ -402,7 +410,7 @@ class OpenAIServer:
                     choice = {"index": c.index, "text": delta, "logprobs": logprobs}
                 choice.update(token_ids=item["token_ids"], finish_reason=finish_reason,
                               stop_reason=self._stop_reason(c, body) if finish_reason else None)
-                yield sse({**head, "choices": [choice], **so_far(c, item.get("num_cached_tokens", 0))})
+                yield chunk(choice, so_far(c, item.get("num_cached_tokens", 0)))
             if include_usage:
                 yield sse({**head, "choices": [], "usage": self._total_usage(choices, prompts)})
         except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel in the stream
