@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvmanager import NULL_BLOCK_ID, FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager import (NULL_BLOCK_ID, ChunkedLocalAttention, FullAttention, KVCacheManager, Request,
+                       SlidingWindow)
 from kvmanager.host_tier import HostRef
 from tests.drivers import run_step
 
@@ -294,16 +295,20 @@ class HostTierMachine(RuleBasedStateMachine):
         super().__init__()
         self.mgr = None
 
-    @initialize(window=st.integers(1, 7), num_blocks=st.integers(14, 30), host=st.integers(1, 40),
-                full=st.booleans())
-    def setup(self, window, num_blocks, host, full):
-        specs = ([FullAttention(B)] if full else []) + [SlidingWindow(B, window=window)]
-        self.mgr = KVCacheManager(specs, num_blocks=num_blocks, num_host_blocks=host, max_model_len=40)
+    @initialize(window=st.integers(1, 7), num_blocks=st.integers(10, 24), host=st.integers(3, 40),
+                full=st.booleans(), chunked=st.booleans(), widths=st.lists(st.integers(1, 3), min_size=2, max_size=2))
+    def setup(self, window, num_blocks, host, full, chunked, widths):
+        local = ChunkedLocalAttention(B, chunk_size=window + 1) if chunked else SlidingWindow(B, window=window)
+        specs = ([FullAttention(B)] if full else []) + [local]
+        widths = tuple(widths[:len(specs)])
+        num_blocks = max(num_blocks, 3 * sum(widths) + 1)
+        self.mgr = KVCacheManager(specs, num_blocks=num_blocks, num_host_blocks=host, max_model_len=40,
+                                  widths=widths)
         self.specs = specs
         self.count = 0
         self.running: dict[str, Request] = {}
         self.device: dict[int, tuple] = {}     # block id -> (group, prefix of tokens) it holds
-        self.host: dict[tuple, tuple] = {}     # host units -> content
+        self.host: dict[int, tuple] = {}       # host unit -> content (a width-k block: k units, one content)
         self.copies: dict[int, tuple] = {}     # device id -> (kind, group, host units, content expected)
 
     def collect(self):
@@ -313,7 +318,12 @@ class HostTierMachine(RuleBasedStateMachine):
             self.copies[d] = ("store", g, units, self.device[d])
         for g, units, d in t.loads:
             assert d not in self.copies
-            self.copies[d] = ("load", g, units, self.host[units])   # what it must read at completion
+            self.copies[d] = ("load", g, units, self.read_host(units))   # what it must read at completion
+
+    def read_host(self, units):
+        contents = {self.host.get(u) for u in units}
+        assert len(contents) == 1, "a host block's units hold different contents"
+        return contents.pop()
 
     def write(self, req, new_from):
         """The request's step computed its blocks from ``new_from`` (token index) on."""
@@ -323,7 +333,7 @@ class HostTierMachine(RuleBasedStateMachine):
                     assert bid not in self.copies, "a block with a copy in flight was written"
                     self.device[bid] = (g, tuple(req.all_token_ids[:(j + 1) * B]))
 
-    @rule(stem=st.integers(0, 2), length=st.integers(2, 26), tail=st.lists(st.integers(20, 22), max_size=2))
+    @rule(stem=st.integers(0, 2), length=st.integers(2, 20), tail=st.lists(st.integers(20, 22), max_size=2))
     def admit(self, stem, length, tail):
         req = Request(f"r{self.count}", STEMS[stem][:length] + tail)
         self.count += 1
@@ -342,6 +352,17 @@ class HostTierMachine(RuleBasedStateMachine):
             return
         self.write(req, h)
         req.num_computed_tokens += h + n
+
+    @rule(length=st.integers(4, 24))
+    def churn(self, length):
+        """A one-off request (tokens no other shares) passes through: it pushes cached blocks off the device."""
+        req = Request(f"x{self.count}", [100 + self.count] * length)
+        self.count += 1
+        if self.mgr.allocate_slots(req, length) is not None:
+            self.collect()
+            self.write(req, 0)
+            req.num_computed_tokens = length
+            self.mgr.preempt(req)        # preempted: stores nothing, its blocks wait as proven ones
 
     @rule(idx=st.integers(0, 99), token=st.integers(0, 3))
     def decode(self, idx, token):
@@ -372,8 +393,8 @@ class HostTierMachine(RuleBasedStateMachine):
     def complete(self, data):
         if not self.copies:
             return
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.copies)), unique=True, max_size=6))
-        fail = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.copies)), unique=True, max_size=12))
+        fail = data.draw(st.lists(st.sampled_from([False, False, False, True]), min_size=len(ids), max_size=len(ids)))
         self.finish([i for i, f in zip(ids, fail) if not f], [i for i, f in zip(ids, fail) if f])
 
     def finish(self, done, failed):
@@ -381,9 +402,9 @@ class HostTierMachine(RuleBasedStateMachine):
             kind, g, units, content = self.copies[d]
             if kind == "store":
                 assert self.device[d] == content, "a store's source was overwritten before its fence"
-                self.host[units] = content
+                self.host.update((u, content) for u in units)
             else:
-                assert self.host[units] == content, "a host block was overwritten while a load read it"
+                assert self.read_host(units) == content, "a host block was overwritten while a load read it"
                 self.device[d] = content
         for d in failed:
             if self.copies[d][0] == "load":
@@ -425,7 +446,7 @@ class HostTierMachine(RuleBasedStateMachine):
         units_accounted(self.mgr, [])
 
 
-HostTierMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+HostTierMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
                                              phases=[Phase.explicit, Phase.reuse, Phase.generate],
                                              suppress_health_check=[HealthCheck.too_slow])
 TestHostTierMachine = HostTierMachine.TestCase

@@ -1,0 +1,85 @@
+"""Bytes per restored hit: what the host tier loads for a prefix hit of 8k / 32k / 128k tokens, window-aware
+vs the same model with every layer treated as full attention, on gemma-3-27b and gpt-oss-20b (block 16).
+
+Scenario, through the manager's public API (``kvmanager/host_tier.py``): request A (``h`` tokens) is
+prefilled and finished, which stores what a hit can still need; its copies are fenced; request B, as long,
+takes every device unit (A's device copies are gone) and is preempted; request C = A + one token looks up
+(hit ``h``, every needed block on host only) and its hit is allocated: the loads it schedules are counted,
+in bytes (units x the layout's unit bytes). Also printed: the bytes A's release stored.
+
+The figure is asserted equal to the hand derivation in docs/performance.md ("Host tier: bytes per
+restored hit"): per layer and token, K and V take ``2 x kv_heads x head x 2`` bytes (bf16); a hit of ``h``
+tokens loads every full-attention layer's ``h`` tokens and every sliding layer's last
+``ceil((W - 1) / 16)`` blocks of 16 tokens. The doc's numbers are in ``HAND`` below, copied from it.
+
+    PYTHONPATH=$PWD python bench/host_tier.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvmanager import KVCacheManager, Request  # noqa: E402
+from kvmanager.planning import as_full_attention, kv_layout  # noqa: E402
+from workers.sim.presets import layer_specs  # noqa: E402
+
+BLOCK = 16
+HITS = (8192, 32768, 131072)
+# docs/performance.md, "Host tier: bytes per restored hit": (model, hit tokens) -> (window-aware, as-full)
+HAND = {
+    ("gemma-3-27b", 8192): (1_107_296_256, 4_160_749_568),
+    ("gemma-3-27b", 32768): (3_120_562_176, 16_642_998_272),
+    ("gemma-3-27b", 131072): (11_173_625_856, 66_571_993_088),
+    ("gpt-oss-20b", 8192): (204_472_320, 402_653_184),
+    ("gpt-oss-20b", 32768): (808_452_096, 1_610_612_736),
+    ("gpt-oss-20b", 131072): (3_224_371_200, 6_442_450_944),
+}
+
+
+def restored_bytes(specs: dict, h: int) -> tuple[int, int]:
+    """(bytes loaded for C's hit, bytes stored at A's release) with this layout."""
+    layout = kv_layout(specs)
+    unit = layout.block_bytes
+    per_request = layout.blocks_per_request(h, h)        # a whole-prompt prefill holds every block
+    mgr = KVCacheManager(layout.group_specs, per_request + 1, max_model_len=h + 1, widths=layout.group_widths,
+                         num_host_blocks=per_request, last_message_tokens=0)
+    widths = mgr.widths
+    a = Request("a", [1 + i % 1000 for i in range(h)])
+    assert mgr.allocate_slots(a, h) is not None
+    a.num_computed_tokens = h
+    mgr.free(a)
+    t = mgr.take_transfers()
+    stored = sum(widths[g] for g, _, _ in t.stores) * unit
+    mgr.transfers_done([d for _, d, _ in t.stores])
+    b = Request("b", [2000 + i % 1000 for i in range(h)])
+    assert mgr.allocate_slots(b, h) is not None           # every device unit: A's copies are gone
+    b.num_computed_tokens = h
+    mgr.preempt(b)
+    c = Request("c", a.prompt_token_ids + [7])
+    hit, got = mgr.get_computed_blocks(c)
+    assert got == h, (got, h)
+    assert mgr.allocate_slots(c, 0, num_new_computed_tokens=got, new_computed_blocks=hit) is not None
+    t = mgr.take_transfers()
+    return sum(widths[g] for g, _, _ in t.loads) * unit, stored
+
+
+def main() -> None:
+    print(f"{'model':<12} {'hit':>7} {'loaded, window-aware':>21} {'as-full':>16} {'ratio':>6} "
+          f"{'stored at release':>18} {'s':>5}")
+    for model in ("gemma-3-27b", "gpt-oss-20b"):
+        specs = layer_specs(model, BLOCK)
+        for h in HITS:
+            t0 = time.perf_counter()
+            aware, stored = restored_bytes(specs, h)
+            full, _ = restored_bytes(as_full_attention(specs), h)
+            assert (aware, full) == HAND[(model, h)], (model, h, aware, full, HAND[(model, h)])
+            print(f"{model:<12} {h:>7} {aware:>21,} {full:>16,} {full / aware:>5.2f}x {stored:>18,} "
+                  f"{time.perf_counter() - t0:>5.1f}")
+    print("every figure equals docs/performance.md's hand derivation")
+
+
+if __name__ == "__main__":
+    main()
