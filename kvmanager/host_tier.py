@@ -81,12 +81,21 @@ class HostRef:
     and a load. Shaped like a free ``Block`` to the capacity check (it needs one block); ``touch`` knows
     it by its id, -1, and takes it from no queue."""
 
-    __slots__ = ("host", "block_id", "ref_cnt", "shared", "pinned", "group", "block_hash")
+    __slots__ = ("host", "block_id", "shared", "pinned", "group", "block_hash")
 
     def __init__(self, host: HostBlock):
         self.host = host
-        self.block_id, self.ref_cnt, self.shared, self.pinned = -1, 0, False, False
+        self.block_id, self.shared, self.pinned = -1, False, False
         self.group, self.block_hash = host.group, host.block_hash
+
+    @property
+    def ref_cnt(self) -> int:
+        """Always 0: the table gets a fresh block of its own, so the same hit may be offered again."""
+        return 0
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        pass
 
     def __repr__(self) -> str:
         return f"HostRef(group={self.group}, units={list(self.host.units)})"

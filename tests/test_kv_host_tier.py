@@ -119,6 +119,25 @@ def test_hit_from_host_after_the_device_copy_is_gone_loads_the_window_only():
     units_accounted(mgr, [c])
 
 
+def test_a_hit_with_loads_that_does_not_fit_changes_nothing_and_can_be_offered_again():
+    mgr = hybrid()
+    prefill_and_free(mgr, "a", A)
+    mgr.transfers_done(store_ids(mgr.take_transfers()))
+    b = Request("b", list(range(100, 110)))
+    run_step(mgr, b, 10)                                   # b holds all 20 units
+    c = Request("c", A + [9])
+    hit, h = mgr.get_computed_blocks(c)
+    assert h == 8
+    assert mgr.allocate_slots(c, 0, num_new_computed_tokens=h, new_computed_blocks=hit) is None
+    assert not mgr.take_transfers() and not mgr.is_loading("c") and mgr.num_free_blocks == 0
+    mgr.preempt(b)                                         # preempted: stores nothing, frees all 20
+    assert not mgr.take_transfers() and mgr.num_free_blocks == 20
+    assert mgr.allocate_slots(c, 0, num_new_computed_tokens=h, new_computed_blocks=hit) is not None
+    assert len(mgr.take_transfers().loads) == 10
+    assert mgr.num_free_blocks == 10
+    units_accounted(mgr, [c])
+
+
 def test_hybrid_hit_agreed_across_groups_mixes_device_and_host_blocks():
     mgr = hybrid()
     prefill_and_free(mgr, "a", A)
