@@ -330,7 +330,7 @@ class HostTier:
                 bs = self.coordinator.groups[hb.group].block_size
                 parent = t.request.block_hashes(bs, t.release)[t.release - 1] if t.release else None
                 self.pool.cache(block, hb.group, hb.block_hash, parent, t.release)
-            if not ok and mine:
+            if not ok and mine and all(r is not t.request for r in lost):
                 lost.append(t.request)
             if not ok and hb.valid:
                 self._forget(hb)                # its host memory may be gone (a worker restart)

@@ -169,6 +169,15 @@ class KVCacheManager:
                 self.preempt(request)
         return [r.request_id for r in lost]
 
+    def host_tier_lost(self) -> list[str]:
+        """The host memory is gone (the process holding it restarted): every copy in flight failed and every
+        host copy is forgotten. Returns the ids of the requests preempted (their loads failed)."""
+        if self.host_tier is None:
+            return []
+        lost = self.transfers_done(failed=list(self.host_tier.in_flight()))
+        self.host_tier.clear()
+        return lost
+
     def is_loading(self, request_id: str) -> bool:
         """A load of this request's hit is in flight: the engine must not compute it yet."""
         return self.host_tier is not None and request_id in self.host_tier.loading

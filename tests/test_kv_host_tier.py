@@ -257,6 +257,24 @@ def test_a_failed_load_preempts_the_request_which_recomputes_and_nothing_is_lost
     units_accounted(mgr, [c])
 
 
+def test_losing_the_host_memory_fails_every_copy_and_forgets_every_host_block():
+    mgr = hybrid()
+    prefill_and_free(mgr, "a", A)
+    mgr.transfers_done(store_ids(mgr.take_transfers()))
+    prefill_and_free(mgr, "b", list(range(100, 110)))       # 3 of b's 13 stores stay in flight
+    mgr.transfers_done(store_ids(mgr.take_transfers())[3:])
+    c = Request("c", A + [9])
+    hit, h = mgr.get_computed_blocks(c)
+    assert h == 8
+    assert mgr.allocate_slots(c, 0, num_new_computed_tokens=h, new_computed_blocks=hit) is not None
+    assert len(mgr.take_transfers().loads) == 10             # and 10 loads in flight
+    assert mgr.host_tier_lost() == ["c"]
+    assert mgr.num_free_blocks == 20 and mgr.host_tier.num_free_units == 40
+    assert mgr.host_tier.entries == [{}, {}] and not mgr.host_tier.in_flight()
+    assert mgr.get_computed_blocks(c)[1] == 0
+    units_accounted(mgr, [])
+
+
 def test_transfers_done_rejects_unknown_or_repeated_ids_before_any_change():
     mgr = hybrid()
     prefill_and_free(mgr, "a", A)
