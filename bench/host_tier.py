@@ -16,7 +16,7 @@ tokens loads every full-attention layer's ``h`` tokens and every sliding layer's
 
 ``--hit-rates``: the retention bench's serving loop (``bench/retention.py``: the same workloads, draws and
 pools) at the tightest device pool, swakv without the tier and with a host tier of 1x, 4x and 16x the
-device pool's units, against the unbounded ceiling. Copies complete at once here (the engine fences every
+device pool's units (and 16x with ``host_speculative_stores``), against the unbounded ceiling. Copies complete at once here (the engine fences every
 copy before the next step): this is the tier's hit rate, not its timing.
 
     PYTHONPATH=$PWD python bench/host_tier.py --hit-rates --draws 2 --seed 7
@@ -50,7 +50,7 @@ HAND = {
 
 
 def restored_bytes(specs: dict, h: int) -> tuple[int, int]:
-    """(bytes loaded for C's hit, bytes stored at A's release) with this layout."""
+    """(bytes loaded for C's hit, bytes A's release stored) with this layout."""
     layout = kv_layout(specs)
     unit = layout.block_bytes
     per_request = layout.blocks_per_request(h, h)        # a whole-prompt prefill holds every block
@@ -62,8 +62,8 @@ def restored_bytes(specs: dict, h: int) -> tuple[int, int]:
     a.num_computed_tokens = h
     mgr.free(a)
     t = mgr.take_transfers()
-    stored = sum(widths[g] for g, _, _ in t.stores) * unit
     mgr.transfers_done([d for _, d, _ in t.stores])
+    stored = sum(len(hb.units) for entries in mgr.host_tier.entries for hb in entries.values()) * unit
     b = Request("b", [2000 + i % 1000 for i in range(h)])
     assert mgr.allocate_slots(b, h) is not None           # every device unit: A's copies are gone
     b.num_computed_tokens = h
@@ -80,7 +80,7 @@ class HostTierAdapter:
     """``retention.SwakvAdapter`` with a host tier of ``host_units``; every copy is fenced as soon as it is
     scheduled (a hit with loads is allocated alone, its loads fenced, then its tokens)."""
 
-    def __new__(cls, windows, num_blocks: int, host_units: int, units=None):
+    def __new__(cls, windows, num_blocks: int, host_units: int, units=None, speculative: bool = False):
         from retention import SwakvAdapter
 
         class Adapter(SwakvAdapter):
@@ -88,7 +88,8 @@ class HostTierAdapter:
                 super().__init__(windows, num_blocks, units=units)
                 old = self.mgr
                 self.mgr = KVCacheManager(old.specs, num_blocks=old.num_blocks, max_model_len=old.max_model_len,
-                                          widths=old.widths, num_host_blocks=host_units)
+                                          widths=old.widths, num_host_blocks=host_units,
+                                          host_speculative_stores=speculative)
                 self.loaded_units = 0
 
             def fence(self):
@@ -130,7 +131,7 @@ def hit_rates(args) -> None:
     print(f"seed {seed}; tightest device pool per (draw, family, layout); hit rate = prompt tokens served "
           f"from either tier at first admission / prompt tokens")
     print(f"{'draw':>4} {'family':<9} {'layout':<8} {'pool/grp':>8} {'ceiling':>8} {'no tier':>8} "
-          f"{'host 1x':>8} {'host 4x':>8} {'host 16x':>8} {'16x gap':>8}")
+          f"{'host 1x':>8} {'host 4x':>8} {'host 16x':>8} {'16x gap':>8} {'16x+spec':>8} {'gap':>6}")
     for draw in draw_settings(seed, args.draws):
         for family in args.families:
             for layout in args.layouts:
@@ -145,11 +146,13 @@ def hit_rates(args) -> None:
                 plain = SwakvAdapter(windows, num_blocks, units=units)
                 rates = [serve(workload, plain, **kw)["hit_rate"]]
                 device_units = plain.mgr.num_blocks - 1
-                for factor in (1, 4, 16):
-                    adapter = HostTierAdapter(windows, num_blocks, factor * device_units, units=units)
+                for factor, spec in ((1, False), (4, False), (16, False), (16, True)):
+                    adapter = HostTierAdapter(windows, num_blocks, factor * device_units, units=units,
+                                              speculative=spec)
                     rates.append(serve(workload, adapter, **kw)["hit_rate"])
                 print(f"{draw.index:>4} {family:<9} {layout:<8} {pool:>8} {top:>8.3f} "
-                      + " ".join(f"{r:>8.3f}" for r in rates) + f" {top - rates[-1]:>8.3f}", flush=True)
+                      + " ".join(f"{r:>8.3f}" for r in rates[:4]) + f" {top - rates[3]:>8.3f}"
+                      + f" {rates[4]:>8.3f} {top - rates[4]:>6.3f}", flush=True)
 
 
 def main() -> None:

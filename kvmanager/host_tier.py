@@ -6,15 +6,21 @@ copy in host memory turns that recompute into a load. For hybrid models only wha
 **What is stored, and when.** A cached block is stored when its last device reference goes, if a hit can
 still need it and its hash is on host neither stored nor being stored:
 
-- a finished request's tables (not a preempted one's: the scheduler preempts because it needs the room
-  now, and its blocks wait in the free queue as proven ones): the cached blocks a hit at its end (a follow-up turn), at its
-  prompt's end or within its last message (a resend, another question on the same document), or below a
-  fork of its chain needs (``needed_at_release``). Full attention: all of them; a sliding or chunked group:
-  the last window (or chunk) below each such end (a request released right after its prefill still holds
-  its whole prompt in every group: the rest is not stored);
+- a finished request's tables: the cached blocks a hit at its end (a follow-up turn), at its prompt's end
+  or within its last message (a resend, another question on the same document), or below a fork of its
+  chain needs (``needed_at_release``). Full attention: all of them; a sliding or chunked group: the last
+  window (or chunk) below each such end (a request released right after its prefill still holds its
+  whole prompt in every group: the rest is not stored). Not a preempted request's: the scheduler preempts
+  because it needs the room now; its blocks wait in the free queue as proven ones;
 - a block a running request's window drops: only if a hit below a fork of its chain or in the window
   below its prompt end (its last message) needs it, the free queue's own classes (``below_fork``,
   ``below_end``); a dropped block of the unreachable class is never stored.
+
+Optionally (``speculative``, off by default: it moves bytes no known hit needs) the other cached blocks
+(the unreachable class, windows below no known hit end) are stored too, only into free host units, never
+evicting anything, and first to go when room is needed: a fork is learnt only when a second request leaves
+the chain, so "no hit can need it" is a guess, and free host memory costs nothing but the copies (the
+retention cell measured the hits it saves, docs/performance.md). A full host stores none of them.
 
 Other groups: when a sliding block is dropped, the same request still holds on device every block a full
 (or longer-reaching) group needs for a hit at those ends, and stores them when it releases them; so a
@@ -30,8 +36,9 @@ hold what the device still holds).
 
 **What is loaded.** A lookup runs the hit rule (``HitRule``) over device and host together: each group's
 needed blocks (full attention: all before ``h``; sliding: the last window; chunked: the current chunk),
-each on either tier; device copies are preferred. When the hit is allocated, each needed block found only
-on host gets a fresh device block and one load; nothing else moves.
+each on either tier; device copies are preferred. When the hit is allocated (alone: no new tokens, whose
+blocks would be cached before they are computed), each needed block found only on host gets a fresh
+device block and one load; nothing else moves.
 
 **Fences** (correct by construction). A device block with a copy in flight is *pinned*: it is not in the
 free queue, so nothing can reuse it; a release that would free it leaves it where it is, and the copy's
@@ -42,8 +49,10 @@ cache), forgets the host copy, and frees nothing early: the request's other targ
 their own copies report. A host block a load reads, or a store writes, is never evicted from the host.
 
 **Host eviction.** LRU over whole host blocks (a hit or a repeated store refreshes an entry), skipping
-those with a copy in flight. The retention floor is not reused: the host is a victim cache whose input the
-device retention policy already filtered.
+those with a copy in flight: the order an operator expects, and cheap. Its known worst case is cyclic
+reuse of more than the host holds (sessions coming back in turn): there it keeps nothing useful, which
+the retention bench cell shows (docs/performance.md); the free queue's adaptive order is the remedy, not
+reused here yet.
 """
 from __future__ import annotations
 
@@ -68,12 +77,13 @@ class KVTransfers:
 
 
 class HostBlock:
-    __slots__ = ("group", "block_hash", "units", "valid", "pins")
+    __slots__ = ("group", "block_hash", "units", "valid", "pins", "speculative")
 
     def __init__(self, group: int, block_hash: bytes, units: tuple[int, ...]):
         self.group, self.block_hash, self.units = group, block_hash, units
         self.valid = False      # its store is done: lookups may use it
         self.pins = 0           # copies in flight reading or writing it: never evicted meanwhile
+        self.speculative = False    # stored into free units though no known hit needs it: evicted first
 
 
 class HostRef:
@@ -123,11 +133,12 @@ class _Either:
 class HostTier:
     """``num_units`` host units for the pool's groups (a block of a width-k group takes k units)."""
 
-    def __init__(self, coordinator, num_units: int):
+    def __init__(self, coordinator, num_units: int, speculative: bool = False):
         self.coordinator = coordinator
         self.pool = coordinator.pool
         self.widths = self.pool.widths
         self.num_units = num_units
+        self.speculative = speculative   # also store what no known hit needs, into free host units only
         self._free = list(range(num_units - 1, -1, -1))       # a stack: unit 0 is handed out first
         n = len(self.widths)
         self.entries: list[dict[bytes, HostBlock]] = [{} for _ in range(n)]   # stored, valid ones
@@ -144,13 +155,18 @@ class HostTier:
     # -- stores: where a released block goes -----------------------------------------------------
     def add_dropped(self, blocks, first: int, below_fork, below_end) -> None:
         """``FreeQueue.add_dropped``'s arguments: blocks a hit can still need are stored (pinned until the
-        copy is fenced), pinned ones stay out, the rest go to the free queue as runs keeping their index."""
+        copy is fenced), then the others into free host units only; pinned ones stay out, the rest go to
+        the free queue as runs keeping their index."""
+        for needed_pass in (True, False):
+            for i, block in enumerate(blocks, first):
+                if block.ref_cnt == 0 and not block.pinned and block.block_hash is not None:
+                    needed = i in below_fork or i in below_end
+                    if needed is needed_pass:
+                        self._store(block, (i, i in below_fork, i in below_end), not needed)
         free = self.pool.free
         run, start = [], first
         for i, block in enumerate(blocks, first):
-            if block.ref_cnt == 0 and (block.pinned or (
-                    block.block_hash is not None and (i in below_fork or i in below_end)
-                    and self._store(block, (i, i in below_fork, i in below_end)))):
+            if block.ref_cnt == 0 and block.pinned:
                 if run:
                     free.add_dropped(run, start, below_fork, below_end)
                 run, start = [], i + 1
@@ -162,17 +178,14 @@ class HostTier:
     def add_released(self, request, pairs, preempted: bool) -> None:
         """``FreeQueue.add_released``'s arguments and the request: the cached blocks a hit can still need
         (``needed_at_release``) are stored, pinned ones stay out, the rest go to the free queue."""
-        needed = None
-        out = []
-        for b, proven in pairs:
-            if b.pinned:
-                continue
-            if b.block_hash is not None and not preempted:   # a preempted request's blocks: the room is
-                if needed is None:                               # needed now; they wait as proven ones
-                    needed = self.needed_at_release(request)
-                if (proven or b.block_hash in needed[b.group]) and self._store(b, (proven, preempted)):
-                    continue
-            out.append((b, proven))
+        if not preempted:       # a preempted request's blocks: the room is needed now; they wait as proven
+            needed = self.needed_at_release(request)
+            cached = [(b, proven) for b, proven in pairs if b.block_hash is not None and not b.pinned]
+            for needed_pass in (True, False):
+                for b, proven in cached:
+                    if (proven or b.block_hash in needed[b.group]) is needed_pass:
+                        self._store(b, (proven, preempted), not needed_pass)
+        out = [(b, proven) for b, proven in pairs if not b.pinned]
         if out:
             self.pool.free.add_released(out, preempted)
 
@@ -194,21 +207,28 @@ class HostTier:
             out.append({hashes[i] for i in idx})
         return out
 
-    def _store(self, block, release) -> bool:
+    def _store(self, block, release, speculative: bool = False) -> bool:
+        """Store ``block`` unless its hash is on host (refreshed then) or being stored. ``speculative``: no
+        known hit needs it; only into free host units, and first to be evicted."""
         if self.skip_stores:
             return False
         key = (block.group, block.block_hash)
         held = self.entries[key[0]].get(key[1])
         if held is not None:
-            self._lru.move_to_end(key)
+            if not speculative:             # needed now: a full member of the LRU order
+                held.speculative = False
+                self._lru.move_to_end(key)
             return False
         if key in self._writing:
+            return False
+        if speculative and (not self.speculative or len(self._free) < self.widths[key[0]]):
             return False
         units = self._alloc(self.widths[key[0]])
         if units is None:
             return False                       # every host block has a copy in flight: not stored
         host = HostBlock(key[0], key[1], units)
         host.pins = 1
+        host.speculative = speculative
         self._writing[key] = host
         block.pinned = True
         self._inflight[block.block_id] = _Transfer(STORE, block, host, release=release)
@@ -279,6 +299,7 @@ class HostTier:
                     dev.pinned = True
                     hb = b.host
                     hb.pins += 1
+                    hb.speculative = False
                     self._lru.move_to_end((hb.group, hb.block_hash))
                     self._inflight[dev.block_id] = _Transfer(LOAD, dev, hb, request=request, release=j)
                     self._out.loads.append((gid, hb.units, dev.block_id))
@@ -316,6 +337,8 @@ class HostTier:
                     hb.valid = True
                     self.entries[hb.group][hb.block_hash] = hb
                     self._lru[(hb.group, hb.block_hash)] = hb
+                    if hb.speculative:          # first to go
+                        self._lru.move_to_end((hb.group, hb.block_hash), last=False)
                 else:
                     self._free.extend(reversed(hb.units))
                 if block.ref_cnt == 0:          # nobody took it back meanwhile: it is free now

@@ -36,13 +36,14 @@ class KVCacheManager:
     ``pop_compositions()``, before any table that uses it. ``last_message_tokens``: how far below a
     prompt's end the free queue expects a later prompt to fork (``free_queue.LAST_MESSAGE_TOKENS``).
     ``num_host_blocks``: host-memory units of the host tier (``host_tier``; 0, the default: no tier, and
-    no cost). With a tier the engine ships ``take_transfers()`` every step, reports copies with
+    no cost); ``host_speculative_stores``: also store blocks no known hit needs, into free host units only
+    (``host_tier``). With a tier the engine ships ``take_transfers()`` every step, reports copies with
     ``transfers_done``, and does not compute a request while ``is_loading`` says so.
     """
 
     def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,
                  max_model_len: int = 1 << 20, *, widths=None, last_message_tokens: int = LAST_MESSAGE_TOKENS,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, host_speculative_stores: bool = False):
         groups = list(groups)
         if not groups:
             raise ValueError("at least one KV-cache group spec is needed")
@@ -75,7 +76,8 @@ class KVCacheManager:
         self.coordinator.token_cap = max_model_len + 1
         self.stats = CacheStats()
         self._running: dict[str, Request] = {}
-        self.host_tier = HostTier(self.coordinator, num_host_blocks) if num_host_blocks else None
+        self.host_tier = (HostTier(self.coordinator, num_host_blocks, bool(host_speculative_stores))
+                          if num_host_blocks else None)
         self.pool.tier = self.host_tier
 
     @classmethod

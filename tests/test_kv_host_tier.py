@@ -23,11 +23,11 @@ FULL, SLIDING = 0, 1
 A = list(range(1, 9))                      # 8 tokens
 
 
-def hybrid(num_blocks=21, host=40):
+def hybrid(num_blocks=21, host=40, speculative=False):
     """Full attention + sliding window 3, block 1: 20 device units, ``host`` host units. No last-message
     class (``last_message_tokens=0``): a resend's hit ends at the prompt end only."""
     return KVCacheManager([FullAttention(1), SlidingWindow(1, window=3)], num_blocks=num_blocks,
-                          num_host_blocks=host, last_message_tokens=0)
+                          num_host_blocks=host, last_message_tokens=0, host_speculative_stores=speculative)
 
 
 def units_accounted(mgr, running):
@@ -70,7 +70,7 @@ def store_ids(t):
 
 
 def test_release_stores_full_blocks_and_only_the_windows_a_hit_can_need():
-    mgr = hybrid()
+    mgr = hybrid(host=11)
     a = prefill_and_free(mgr, "a", A)
     t = mgr.take_transfers()
     # full: blocks 0..7. sliding: a follow-up's hit at 8 needs 6, 7; a resend's at 7 (the last prompt
@@ -86,8 +86,28 @@ def test_release_stores_full_blocks_and_only_the_windows_a_hit_can_need():
     units_accounted(mgr, [])
 
 
+def test_with_speculative_stores_blocks_no_known_hit_needs_go_only_into_free_host_memory_and_first_out():
+    mgr = hybrid(host=24, speculative=True)
+    a = prefill_and_free(mgr, "a", A)
+    t = mgr.take_transfers()
+    # the 11 a hit needs, then sliding 0..4 (below no known hit end) into the 13 free units
+    assert Counter(g for g, _, _ in t.stores) == {FULL: 8, SLIDING: 8}
+    mgr.transfers_done(store_ids(t))
+    assert list(mgr.host_tier._lru)[:5] == [(SLIDING, x) for x in a.block_hashes(1)[:5]]
+    prefill_and_free(mgr, "b", list(range(100, 110)))
+    t = mgr.take_transfers()
+    # b needs 13 (full 0..9, sliding 7..9): 8 free units, then a's 5 speculative ones go; b's other
+    # sliding blocks find no free unit and are not stored
+    assert Counter(g for g, _, _ in t.stores) == {FULL: 10, SLIDING: 3}
+    on_host = mgr.host_tier.entries
+    assert [x in on_host[SLIDING] for x in a.block_hashes(1)] == [False] * 5 + [True] * 3
+    assert all(x in on_host[FULL] for x in a.block_hashes(1))
+    mgr.transfers_done(store_ids(t))
+    units_accounted(mgr, [])
+
+
 def test_hit_from_host_after_the_device_copy_is_gone_loads_the_window_only():
-    mgr = hybrid()
+    mgr = hybrid(host=24)
     a = prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     prefill_and_free(mgr, "b", list(range(100, 110)))   # 10 tokens x 2 groups: every device unit reused
@@ -120,7 +140,7 @@ def test_hit_from_host_after_the_device_copy_is_gone_loads_the_window_only():
 
 
 def test_a_hit_with_loads_that_does_not_fit_changes_nothing_and_can_be_offered_again():
-    mgr = hybrid()
+    mgr = hybrid(host=24)
     prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     b = Request("b", list(range(100, 110)))
@@ -139,7 +159,7 @@ def test_a_hit_with_loads_that_does_not_fit_changes_nothing_and_can_be_offered_a
 
 
 def test_hybrid_hit_agreed_across_groups_mixes_device_and_host_blocks():
-    mgr = hybrid()
+    mgr = hybrid(host=24)      # b's stores push a's speculative sliding 0..4 out (see above)
     prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     prefill_and_free(mgr, "b", list(range(100, 110)))
@@ -164,7 +184,7 @@ def test_hybrid_hit_agreed_across_groups_mixes_device_and_host_blocks():
 
 
 def test_a_block_with_a_store_in_flight_is_not_reused_until_fenced():
-    mgr = hybrid()
+    mgr = hybrid(host=11)
     prefill_and_free(mgr, "a", A)
     t = mgr.take_transfers()
     pinned = set(store_ids(t))
@@ -185,7 +205,7 @@ def test_a_block_with_a_store_in_flight_is_not_reused_until_fenced():
 
 
 def test_a_hit_on_a_block_being_stored_shares_it_and_the_fence_frees_it_once():
-    mgr = hybrid()
+    mgr = hybrid(host=13)
     a = prefill_and_free(mgr, "a", A)
     t = mgr.take_transfers()
     c = Request("c", A + [9])
@@ -197,7 +217,7 @@ def test_a_hit_on_a_block_being_stored_shares_it_and_the_fence_frees_it_once():
     mgr.transfers_done(store_ids(t))     # c's 10 stay held; sliding block 5 (held by none) is free now
     assert mgr.num_free_blocks == 20 - 12                  # c: full 0..8, sliding 6, 7, 8
     c.num_computed_tokens = 9
-    mgr.free(c)             # 0..7 are on host already: only block 8 (full; sliding, in both windows) goes
+    mgr.free(c)     # 0..7 are on host already: only block 8 (full; sliding, in both windows) goes
     t = mgr.take_transfers()
     assert sorted((g, mgr.pool.blocks[d].block_hash) for g, d, _ in t.stores) == sorted(
         [(FULL, c.block_hashes(1)[8]), (SLIDING, c.block_hashes(1)[8])])
@@ -209,7 +229,7 @@ def test_a_hit_on_a_block_being_stored_shares_it_and_the_fence_frees_it_once():
 
 
 def test_pending_loads_keep_the_request_from_computing_and_complete_out_of_order():
-    mgr = hybrid()
+    mgr = hybrid(host=24)
     prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     prefill_and_free(mgr, "b", list(range(100, 110)))
@@ -227,7 +247,7 @@ def test_pending_loads_keep_the_request_from_computing_and_complete_out_of_order
 
 
 def test_a_failed_load_preempts_the_request_which_recomputes_and_nothing_is_lost():
-    mgr = hybrid()
+    mgr = hybrid(host=24)
     a = prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     prefill_and_free(mgr, "b", list(range(100, 110)))
@@ -258,7 +278,7 @@ def test_a_failed_load_preempts_the_request_which_recomputes_and_nothing_is_lost
 
 
 def test_losing_the_host_memory_fails_every_copy_and_forgets_every_host_block():
-    mgr = hybrid()
+    mgr = hybrid(host=24)
     prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     prefill_and_free(mgr, "b", list(range(100, 110)))       # 3 of b's 13 stores stay in flight
@@ -269,14 +289,14 @@ def test_losing_the_host_memory_fails_every_copy_and_forgets_every_host_block():
     assert mgr.allocate_slots(c, 0, num_new_computed_tokens=h, new_computed_blocks=hit) is not None
     assert len(mgr.take_transfers().loads) == 10             # and 10 loads in flight
     assert mgr.host_tier_lost() == ["c"]
-    assert mgr.num_free_blocks == 20 and mgr.host_tier.num_free_units == 40
+    assert mgr.num_free_blocks == 20 and mgr.host_tier.num_free_units == 24
     assert mgr.host_tier.entries == [{}, {}] and not mgr.host_tier.in_flight()
     assert mgr.get_computed_blocks(c)[1] == 0
     units_accounted(mgr, [])
 
 
 def test_transfers_done_rejects_unknown_or_repeated_ids_before_any_change():
-    mgr = hybrid()
+    mgr = hybrid(host=11)
     prefill_and_free(mgr, "a", A)
     ids = store_ids(mgr.take_transfers())
     with pytest.raises(ValueError, match="one copy in flight"):
@@ -333,14 +353,15 @@ class HostTierMachine(RuleBasedStateMachine):
         self.mgr = None
 
     @initialize(window=st.integers(1, 7), num_blocks=st.integers(10, 24), host=st.integers(3, 40),
-                full=st.booleans(), chunked=st.booleans(), widths=st.lists(st.integers(1, 3), min_size=2, max_size=2))
-    def setup(self, window, num_blocks, host, full, chunked, widths):
+                full=st.booleans(), chunked=st.booleans(), widths=st.lists(st.integers(1, 3), min_size=2, max_size=2),
+                speculative=st.booleans())
+    def setup(self, window, num_blocks, host, full, chunked, widths, speculative):
         local = ChunkedLocalAttention(B, chunk_size=window + 1) if chunked else SlidingWindow(B, window=window)
         specs = ([FullAttention(B)] if full else []) + [local]
         widths = tuple(widths[:len(specs)])
         num_blocks = max(num_blocks, 3 * sum(widths) + 1)
         self.mgr = KVCacheManager(specs, num_blocks=num_blocks, num_host_blocks=host, max_model_len=40,
-                                  widths=widths)
+                                  widths=widths, host_speculative_stores=speculative)
         self.specs = specs
         self.count = 0
         self.running: dict[str, Request] = {}
