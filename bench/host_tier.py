@@ -16,8 +16,9 @@ tokens loads every full-attention layer's ``h`` tokens and every sliding layer's
 
 ``--hit-rates``: the retention bench's serving loop (``bench/retention.py``: the same workloads, draws and
 pools) at the tightest device pool, swakv without the tier and with a host tier of 1x, 4x and 16x the
-device pool's units (and 16x with ``host_speculative_stores``), against the unbounded ceiling. Copies complete at once here (the engine fences every
-copy before the next step): this is the tier's hit rate, not its timing.
+device pool's units (and 16x with ``host_speculative_stores``), against the unbounded ceiling. Copies
+complete at once here (the engine fences every copy before the next step): this is the tier's hit rate,
+not its timing.
 
     PYTHONPATH=$PWD python bench/host_tier.py --hit-rates --draws 2 --seed 7
 """
@@ -125,7 +126,7 @@ class HostTierAdapter:
 
 
 def hit_rates(args) -> None:
-    from retention import FAMILIES, LAYOUTS, UNITS, Draw, SimAdapter, SwakvAdapter, pool_sizes, serve, windows_of
+    from retention import FAMILIES, UNITS, SimAdapter, SwakvAdapter, pool_sizes, serve, windows_of
     from retention import draw_settings
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     print(f"seed {seed}; tightest device pool per (draw, family, layout); hit rate = prompt tokens served "

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvmanager import (NULL_BLOCK_ID, ChunkedLocalAttention, FullAttention, KVCacheManager, Request,
                        SlidingWindow)
 from kvmanager.host_tier import HostRef
-from tests.drivers import run_step
+from drivers import run_step
 
 FULL, SLIDING = 0, 1
 A = list(range(1, 9))                      # 8 tokens
