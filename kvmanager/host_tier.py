@@ -326,6 +326,7 @@ class HostTier:
             bad = sorted({i for i in ids if i not in self._inflight or ids.count(i) > 1}, key=str)
             raise ValueError(f"transfers_done: {bad!r} are not device blocks with one copy in flight each")
         lost = []
+        released = []       # store sources a finished request released: back to the free queue as one batch
         for i, ok in [(i, True) for i in done] + [(i, False) for i in failed]:
             t = self._inflight.pop(i)
             block, hb = t.block, t.host
@@ -342,7 +343,11 @@ class HostTier:
                 else:
                     self._free.extend(reversed(hb.units))
                 if block.ref_cnt == 0:          # nobody took it back meanwhile: it is free now
-                    self._release_stored(block, t.release)
+                    if len(t.release) == 3:     # dropped at index i, below a fork / the prompt's end
+                        j, fork, end = t.release
+                        self.pool.free.add_dropped([block], j, (j,) if fork else (), (j,) if end else ())
+                    else:
+                        released.append((block, t.release[0]))
                 continue
             rid = t.request.request_id
             entry = self.loading.get(rid)
@@ -363,15 +368,9 @@ class HostTier:
                 del self.loading[rid]
             if block.ref_cnt == 0:
                 self.pool.free.add_released([(block, False)], False)
+        if released:
+            self.pool.free.add_released(released, False)
         return lost
-
-    def _release_stored(self, block, release) -> None:
-        if len(release) == 3:
-            i, fork, end = release
-            self.pool.free.add_dropped([block], i, (i,) if fork else (), (i,) if end else ())
-        else:
-            proven, preempted = release
-            self.pool.free.add_released([(block, proven)], preempted)
 
     def forget_request(self, request_id: str) -> None:
         """The request released its blocks (finished, preempted): it waits on nothing; its targets stay
