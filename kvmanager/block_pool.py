@@ -28,7 +28,8 @@ NULL_BLOCK_ID = 0
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru")
+    __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru",
+                 "pinned")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -41,6 +42,7 @@ class Block:
         self.order = 0             # its place in its free-queue bin
         self.bin = None            # the free-queue bin it waits in (meaningless while held)
         self.lru = None            # the free queue's LRU bin it waits in too (it holds a hash), or None
+        self.pinned = False        # a host-tier copy of it is in flight: outside the free queue (``host_tier``)
 
     def __repr__(self) -> str:
         return (f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None}"
@@ -63,6 +65,7 @@ class BlockPool:
         self._compositions: list[tuple[int, int, tuple[int, ...]]] = []
         # Optional sink: stored(group, hash, parent hash, block index), removed(group, hash), cleared().
         self.events = None
+        self.tier = None           # the host tier (``host_tier.HostTier``), which releases go through; None: off
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,7 +138,9 @@ class BlockPool:
             if block.block_id == NULL_BLOCK_ID:
                 continue
             if block.ref_cnt == 0:
-                self.free.remove(block)
+                if not block.pinned and block.block_id > 0:   # pinned (a copy in flight) or on host only
+                    # (``host_tier.HostRef``, id -1): not in the free queue
+                    self.free.remove(block)
                 revived += 1
             block.ref_cnt += 1
             block.shared = True

@@ -132,24 +132,32 @@ class GroupCoordinator:
         else:
             new = [0 if num_slots <= lim[0] else g.num_new_blocks(rid, num_slots, 0) for g, lim in zip(groups, limits)]
         has_hit = hit is not self.no_hit and any(hit)
+        pressed = False
         if has_hit or any(new):
             need = 0                                   # in pool units: a block of a width-k group is k
             for g, blocks, n in zip(groups, hit, new):
                 if blocks:                             # hit blocks waiting in the free queue are taken too
-                    n += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id)
+                    n += sum(1 for b in blocks if b.ref_cnt == 0 and b.block_id and not b.pinned)
                 need += n * g.width
             if need > self.pool.num_free_blocks:       # short unless the drop frees enough
                 need -= sum(g.num_freed_by_drop(rid, num_computed) * g.width for g in self._dropping)
                 if need > self.pool.num_free_blocks:
                     return None
+                pressed = self.pool.tier is not None   # the drop must free what it counted on: no stores
             if quiet is None and request.lru_hit >= 0:
                 self._admitted(request, num_computed - request.num_computed_tokens)
             if has_hit:
                 for g, blocks in zip(groups, hit):
                     g.num_held += self.pool.touch(blocks)
+                if self.pool.tier is not None:     # host-only entries: fresh device blocks, loads
+                    hit = self.pool.tier.materialize(request, hit)
+        if pressed:
+            self.pool.tier.skip_stores = True
         for g in self._dropping:        # all drops first: their blocks may be what the appends take
             if limits is None or num_computed >= limits[g.group_id][2]:
                 g.drop(request, num_computed)
+        if pressed:
+            self.pool.tier.skip_stores = False
         out = []
         changed = []
         for g, h, n in zip(groups, hit, new):
@@ -190,13 +198,19 @@ class GroupCoordinator:
                     new[g.group_id] = n
                     need += n * g.width
         free = self.pool.free
+        pressed = False
         if need > free.num_free_units:       # short unless the drop frees enough
             need -= sum(g.num_freed_by_drop(rid, num_computed) * g.width for g in self._dropping)
             if need > free.num_free_units:
                 return None
+            pressed = self.pool.tier is not None   # the drop must free what it counted on: no stores
+            if pressed:
+                self.pool.tier.skip_stores = True
         for g in self._dropping:
             if num_computed >= limits[g.group_id][2]:
                 g.drop(request, num_computed)
+        if pressed:
+            self.pool.tier.skip_stores = False
         out = []
         changed = []
         slots = cacheable = computed = NEVER
@@ -260,4 +274,8 @@ class GroupCoordinator:
                 fork_ends[bs] = [e for e, h in enumerate(hashes, 1) if h in forks]
             freed += g.release(request, fork_ends.get(bs, ()))
         if freed:
-            self.pool.free.add_released(freed, preempted)
+            tier = self.pool.tier      # the host tier stores what a hit can still need first
+            if tier is None:
+                self.pool.free.add_released(freed, preempted)
+            else:
+                tier.add_released(request, freed, preempted)

@@ -63,7 +63,8 @@ class KVCacheGroup:
         table = self.tables.get(request_id)
         if not self.drops or not table:
             return 0
-        return sum(1 for i in self._droppable(request_id, table, num_computed) if table[i].ref_cnt == 1)
+        return sum(1 for i in self._droppable(request_id, table, num_computed)
+                   if table[i].ref_cnt == 1 and not table[i].pinned)    # pinned: freed by its copy's fence
 
     def _drop(self, request: Request, table: list[Block], num_computed: int) -> None:
         rid = request.request_id
@@ -81,7 +82,8 @@ class KVCacheGroup:
             lowest = max(0, end * bs - self.pool.free.last_message_tokens)   # or a fork in its last message
             below_end = range(self.spec.first_needed_token(lowest) // bs if span.start < end else end, end)
             below_fork = self._below_forks(request, span) if self.pool.free.forks else ()
-            self.pool.free.add_dropped(dropped, span.start, below_fork, below_end)
+            tier = self.pool.tier      # the host tier stores what a hit can still need first
+            (self.pool.free if tier is None else tier).add_dropped(dropped, span.start, below_fork, below_end)
 
     def _below_forks(self, request: Request, span: range) -> set[int]:
         """Indices in ``span`` that a hit ending at a fork of the request's chain needs (a lookup or a

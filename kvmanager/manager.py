@@ -7,6 +7,7 @@ from .block_pool import Block, BlockPool
 from .checks import check_int, is_int
 from .coordinator import GroupCoordinator
 from .free_queue import LAST_MESSAGE_TOKENS
+from .host_tier import HostRef, HostTier, KVTransfers
 from .request import Request
 from .specs import AttentionSpec
 
@@ -34,10 +35,15 @@ class KVCacheManager:
     a block of a width-k group is a composite of k units; workers learn its units from
     ``pop_compositions()``, before any table that uses it. ``last_message_tokens``: how far below a
     prompt's end the free queue expects a later prompt to fork (``free_queue.LAST_MESSAGE_TOKENS``).
+    ``num_host_blocks``: host-memory units of the host tier (``host_tier``; 0, the default: no tier, and
+    no cost); ``host_speculative_stores``: also store blocks no known hit needs, into free host units only
+    (``host_tier``). With a tier the engine ships ``take_transfers()`` every step, reports copies with
+    ``transfers_done``, and does not compute a request while ``is_loading`` says so.
     """
 
     def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,
-                 max_model_len: int = 1 << 20, *, widths=None, last_message_tokens: int = LAST_MESSAGE_TOKENS):
+                 max_model_len: int = 1 << 20, *, widths=None, last_message_tokens: int = LAST_MESSAGE_TOKENS,
+                 num_host_blocks: int = 0, host_speculative_stores: bool = False):
         groups = list(groups)
         if not groups:
             raise ValueError("at least one KV-cache group spec is needed")
@@ -59,6 +65,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = bool(enable_prefix_caching)
         check_int("last_message_tokens", last_message_tokens, 0)
+        check_int("num_host_blocks", num_host_blocks, 0)
+        if 0 < num_host_blocks < max(widths):
+            raise ValueError(f"num_host_blocks={num_host_blocks} cannot hold one block of {max(widths)} units")
         self.pool = BlockPool(num_blocks, len(groups), widths, last_message_tokens)
         self.coordinator = GroupCoordinator(groups, self.pool, self.enable_prefix_caching)
         self._no_hit = self.coordinator.no_hit
@@ -67,12 +76,16 @@ class KVCacheManager:
         self.coordinator.token_cap = max_model_len + 1
         self.stats = CacheStats()
         self._running: dict[str, Request] = {}
+        self.host_tier = (HostTier(self.coordinator, num_host_blocks, bool(host_speculative_stores))
+                          if num_host_blocks else None)
+        self.pool.tier = self.host_tier
 
     @classmethod
     def from_layout(cls, layout, num_blocks: int, enable_prefix_caching: bool = True,
-                    max_model_len: int = 1 << 20) -> "KVCacheManager":
+                    max_model_len: int = 1 << 20, num_host_blocks: int = 0) -> "KVCacheManager":
         """A manager for ``planning.kv_layout(...)``: one group per attention kind, its width in units."""
-        return cls(layout.group_specs, num_blocks, enable_prefix_caching, max_model_len, widths=layout.group_widths)
+        return cls(layout.group_specs, num_blocks, enable_prefix_caching, max_model_len, widths=layout.group_widths,
+                   num_host_blocks=num_host_blocks)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -123,6 +136,8 @@ class KVCacheManager:
             return self._no_hit, 0
         max_tokens = request.num_tokens - 1
         hit, h = self.coordinator.find_hit(request, max_tokens)
+        if self.host_tier is not None:
+            hit, h = self.host_tier.extend_hit(request, max_tokens, hit, h)
         self.stats.lookups += 1
         self.stats.queried_tokens += request.num_tokens
         self.stats.hit_tokens += h
@@ -131,7 +146,47 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (cached content became invalid, e.g. new weights). Only when no request
         holds blocks: otherwise returns False and changes nothing (preempt or free them first)."""
-        return self.pool.reset_prefix_cache()
+        done = self.pool.reset_prefix_cache()      # refused while a copy is in flight (a pinned block)
+        if done and self.host_tier is not None:
+            self.host_tier.clear()
+        return done
+
+    # -- host tier -----------------------------------------------------------------------------
+    def take_transfers(self) -> KVTransfers:
+        """Stores and loads scheduled since the last call, for the next step's input (empty without a tier)."""
+        return self.host_tier.take_transfers() if self.host_tier is not None else KVTransfers()
+
+    def transfers_done(self, done=(), failed=()) -> list[str]:
+        """The workers finished (``done``) or lost (``failed``) the copies into / out of these device block
+        ids. Fences them: their blocks may be reused or freed now. A request whose load failed is preempted
+        (it recomputes through the prefix cache); their ids are returned for the scheduler to requeue.
+        Unknown ids raise ValueError before anything changes."""
+        if self.host_tier is None:
+            if list(done) or list(failed):
+                raise ValueError("transfers_done: this manager has no host tier (num_host_blocks=0)")
+            return []
+        lost = self.host_tier.transfers_done(done, failed)
+        for request in lost:
+            if self._running.get(request.request_id) is request:
+                self.preempt(request)
+        return [r.request_id for r in lost]
+
+    def host_tier_lost(self) -> list[str]:
+        """The host memory is gone (the process holding it restarted): every copy in flight failed and every
+        host copy is forgotten. Returns the ids of the requests preempted (their loads failed)."""
+        if self.host_tier is None:
+            return []
+        lost = self.transfers_done(failed=list(self.host_tier.in_flight()))
+        self.host_tier.clear()
+        return lost
+
+    def is_loading(self, request_id: str) -> bool:
+        """A load of this request's hit is in flight: the engine must not compute it yet."""
+        return self.host_tier is not None and request_id in self.host_tier.loading
+
+    @property
+    def requests_loading(self) -> frozenset[str]:
+        return frozenset(self.host_tier.loading) if self.host_tier is not None else frozenset()
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -174,6 +229,11 @@ class KVCacheManager:
         hit = self._no_hit
         if num_new_computed_tokens or new_computed_blocks:
             hit = self._check_hit(request, running is not None, num_new_computed_tokens, new_computed_blocks)
+            if (self.host_tier is not None and (num_new_tokens or num_lookahead_tokens)
+                    and any(type(b) is HostRef for blocks in hit for b in blocks)):
+                raise ValueError(f"request {rid!r}: a hit with blocks to load from host is allocated alone "
+                                 f"(num_new_tokens=0, no look-ahead): its new tokens' blocks would be cached "
+                                 f"before they are computed; allocate them once is_loading({rid!r}) is False")
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens = num_computed + num_new_tokens
         limit = self.max_model_len
@@ -207,6 +267,8 @@ class KVCacheManager:
         if self._running.get(rid) is not request:
             raise ValueError(f"request {rid!r} holds no blocks (never allocated, already freed or preempted)")
         del self._running[rid]
+        if self.host_tier is not None:
+            self.host_tier.forget_request(rid)
         self.coordinator.free(request, preempted)
 
     def _check_request(self, request) -> None:
@@ -234,6 +296,11 @@ class KVCacheManager:
             hashes = request.block_hashes(spec.block_size)
             for j, block in enumerate(blocks):
                 if block is null:
+                    continue
+                if type(block) is HostRef:
+                    if self.host_tier is None or not self.host_tier.holds(block) or block.block_hash != hashes[j]:
+                        raise ValueError(f"new_computed_blocks: the host copy of block {j} is gone since the "
+                                         f"lookup; look up again")
                     continue
                 if not isinstance(block, Block) or block is not self.pool.blocks[block.block_id]:
                     raise TypeError(f"new_computed_blocks must hold the blocks get_computed_blocks returned, "
