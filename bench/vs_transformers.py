@@ -249,6 +249,10 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def pct(x: float) -> str:
+    return "n/a" if x != x else f"{x:.0%}"
+
+
 def report(runs: list[Run], args) -> list[str]:
     lines = [f"{'server':<13}{'mode':<6}{'run':>4}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'req/s':>8}"
              f"{'out tok/s':>11}{'ok':>5}{'fail':>6}{'out tok':>9}{'load 1m':>13}"]
@@ -269,10 +273,10 @@ def report(runs: list[Run], args) -> list[str]:
             for srv in ("swakv", "transformers"):
                 xs = [getattr(r, metric) for r in cell.get((srv, mode), [])]
                 med[srv, mode, metric] = median(xs)
-                spread[srv, mode, metric] = (max(xs) / min(xs) - 1) if xs and min(xs) > 0 else float("nan")
+                spread[srv, mode, metric] = (max(xs) / min(xs) - 1) if len(xs) > 1 and min(xs) > 0 else float("nan")
             s, t = med["swakv", mode, metric], med["transformers", mode, metric]
             lines.append(f"{mode:<6}{metric:<13}{s:>10.2f}{t:>14.2f}{s / t if t else float('nan'):>8.2f}"
-                         f"{spread['swakv', mode, metric]:>13.0%}{spread['transformers', mode, metric]:>11.0%}")
+                         f"{pct(spread['swakv', mode, metric]):>14}{pct(spread['transformers', mode, metric]):>11}")
     goals = []
     if "rate" in args.modes:
         for metric, label in (("ttft_p50_ms", "TTFT p50"), ("itl_p50_ms", "ITL p50")):
@@ -286,7 +290,7 @@ def report(runs: list[Run], args) -> list[str]:
     cells = [(m, x) for m, x in goal_cells if m in args.modes]
     worst = max((spread["swakv", m, x] for m, x in cells), default=float("nan"))
     n = min((len(cell.get(("swakv", m), [])) for m, _ in cells), default=0)
-    goals.append((f"swakv's runs within {SPREAD_GOAL:.0%} on those figures (worst spread {worst:.0%} over "
+    goals.append((f"swakv's runs within {SPREAD_GOAL:.0%} on those figures (worst spread {pct(worst)} over "
                   f"{n} run(s) a cell)", worst <= SPREAD_GOAL if n >= 2 else None))
     mark = {True: "met", False: "NOT met", None: "n/a: fewer than 2 runs"}
     lines += ["", "goals:"] + [f"  [{mark[ok]}] {text}" for text, ok in goals]
@@ -304,6 +308,8 @@ def main() -> None:
     p.add_argument("--tf-cmd", default=TF_CMD, help="transformers serve's command (its own venv)")
     p.add_argument("--guidellm", default=GUIDELLM, help="guidellm executable (its own venv)")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-run", type=int, default=1,
+                   help="number of the first run (to add the later runs of an interrupted series to its --jsonl)")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--sync-requests", type=int, default=20,
                    help="requests of the one-at-a-time mode (a reference figure, not a goal: it is the slowest)")
@@ -334,8 +340,8 @@ def main() -> None:
     for exe in (args.guidellm, TF_PYTHON if args.tf_cmd == TF_CMD else None):
         if exe and not os.access(exe, os.X_OK):
             p.error(f"{exe} not found: see docs/performance.md (side by side with transformers serve) to set it up")
-    if args.runs < 1 or args.requests < 1 or args.sync_requests < 1 or args.rate <= 0:
-        p.error("--runs, --requests and --sync-requests must be >= 1 and --rate > 0")
+    if args.runs < args.first_run or args.first_run < 1 or args.requests < 1 or args.sync_requests < 1 or args.rate <= 0:
+        p.error("need 1 <= --first-run <= --runs, --requests and --sync-requests >= 1, --rate > 0")
     workdir = args.workdir or tempfile.mkdtemp(prefix="vs-tf-")
     os.makedirs(workdir, exist_ok=True)
     log(f"logs and guidellm reports in {workdir}")
@@ -350,7 +356,7 @@ def main() -> None:
                                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                                         rate=args.rate if r.mode == "rate" else None)) + "\n")
 
-    for run in range(1, args.runs + 1):
+    for run in range(args.first_run, args.runs + 1):
         order = args.servers if run % 2 else list(reversed(args.servers))   # alternate who goes first
         for name in order:
             session(args, name, cmds[name], run, workdir, emit)
