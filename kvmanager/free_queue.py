@@ -42,7 +42,9 @@ negative (the tiers' hits fell more than its slack below LRU's on the same trace
 the empty tier, then the content LRU does not hold, then LRU's own order: the free blocks become LRU's at
 once, rather than after a pool's turnover of recomputed blocks pushing out what LRU kept. An admission
 that got less than LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess
-such a hit proves wrong.
+such a hit proves wrong. Below the floor, lookups passing ghosts LRU's order evicted and hits on blocks the
+tiers' order evicts first tell the floor where the two orders would have parted (its evidence for giving
+the tiers another try).
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
