@@ -43,6 +43,8 @@ interpreter) the vLLM columns are replaced by the simulated LRU (``sim:lru``: vL
     PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --seed 1234          # replay one
     python bench/retention.py --families chat,edit --layouts hybrid --draws 1         # no vLLM: sim:lru
     python bench/retention.py --report-from out.jsonl                                # print again
+    python bench/retention.py --seed 1234 --draw 1 --families zipf --layouts hybrid --systems swakv \
+        --jsonl mine.jsonl && python bench/retention.py --report-from out.jsonl,mine.jsonl  # one cell again
     python bench/retention.py --oracle               # tiny instances against the exhaustive best
 
 ``--oracle`` runs tiny instances of chat, siblings and agent and searches every eviction choice for the
@@ -83,6 +85,7 @@ UNITS = {"gemma3": ((26, 5), 31)}
 SINGLE_GROUP = ("full", "sliding")
 GOAL_FAMILIES = ("chat", "agent", "rag")   # >= 1.10x the better vLLM (or the ceiling) at the tightest pools
 TOLERANCE = 0.005                          # every cell: swakv >= the better vLLM - this
+SYSTEMS = ("swakv", "vllm-dense", "vllm-sem", "sim:lru", "clairvoyant")
 
 
 def windows_of(layout: str, window: int) -> tuple:
@@ -409,7 +412,7 @@ def pool_sizes(workload: Workload, layout: str, windows, concurrency: int, ceili
 # -- the grid --------------------------------------------------------------------------------------
 def run_unit(job) -> list[dict]:
     """One (draw, family, layout): the ceiling, then every system at every pool size."""
-    draw, family, layout, with_vllm, with_lru = job
+    draw, family, layout, with_vllm, with_lru, only = job
     draw = Draw(**draw)
     workload = FAMILIES[family](draw.workload_seed)
     windows = windows_of(layout, draw.window)
@@ -428,6 +431,7 @@ def run_unit(job) -> list[dict]:
     vllm_cls = vllm_adapter_class() if with_vllm else None
     systems = ["swakv"] + (["vllm-dense", "vllm-sem"] if vllm_cls else []) + (["sim:lru"] if with_lru else []) \
         + (["clairvoyant"] if clairvoyant else [])
+    systems = [s for s in systems if not only or s in only]
     for pool in pool_sizes(workload, layout, windows, draw.concurrency, len(ceiling.mgr.blocks) - 1):
         num_blocks = pool * len(windows) + 1
         for system in systems:
@@ -453,8 +457,9 @@ def run_grid(args) -> list[dict]:
     from tqdm import tqdm
     with_vllm = not args.no_vllm and vllm_adapter_class() is not None
     with_lru = args.lru or not with_vllm
-    draws = draw_settings(args.seed, args.draws)
-    jobs = [(asdict(d), f, lay, with_vllm, with_lru) for d in draws for f in args.families for lay in args.layouts]
+    draws = [d for d in draw_settings(args.seed, args.draws) if args.draw is None or d.index == args.draw]
+    jobs = [(asdict(d), f, lay, with_vllm, with_lru, args.systems) for d in draws for f in args.families
+            for lay in args.layouts]
     out = open(args.jsonl, "w") if args.jsonl else None
     rows: list[dict] = []
     bar = tqdm(total=len(jobs), unit="cell", desc="retention", disable=args.quiet)
@@ -683,8 +688,12 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (each imports vLLM once)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM columns even if importable")
     ap.add_argument("--lru", action="store_true", help="add the simulated LRU even when vLLM runs")
+    ap.add_argument("--draw", type=int, default=None, help="run only this draw (0-based) of the seed's draws")
+    ap.add_argument("--systems", type=lambda s: s.split(","), default=None,
+                    help=f"run only these of {', '.join(SYSTEMS)} (the ceiling always runs)")
     ap.add_argument("--jsonl", help="write one JSON line per run here")
-    ap.add_argument("--report-from", help="only print the report of an earlier --jsonl file")
+    ap.add_argument("--report-from", help="only print the report of earlier --jsonl files (comma-separated; a "
+                    "later file's run replaces an earlier one's of the same cell and system)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--oracle", action="store_true", help="instead of the grid: tiny instances, the best any "
                     "eviction policy reaches (exhaustive search) next to swakv and LRU")
@@ -696,6 +705,11 @@ def main() -> None:
             ap.error(f"unknown {name}(s) {bad}; known: {', '.join(known)}")
     if args.draws < 1 or args.jobs < 1:
         ap.error("--draws and --jobs must be >= 1")
+    if args.draw is not None and not 0 <= args.draw < args.draws:
+        ap.error(f"--draw must be in 0..{args.draws - 1}")
+    bad = [s for s in args.systems or () if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}")
     t0 = time.time()
     if args.oracle:
         rows = run_oracle(args.oracle_seeds)
@@ -705,9 +719,14 @@ def main() -> None:
         print(f"\n{len(rows)} instances in {time.time() - t0:.0f} s")
         return
     if args.report_from:
-        with open(args.report_from) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        report(rows)
+        merged: dict = {}
+        for path in args.report_from.split(","):
+            with open(path) as f:
+                for line in f:
+                    if line.strip():
+                        r = json.loads(line)
+                        merged[(r["draw"], r["family"], r["layout"], r["pool_per_group"], r["system"])] = r
+        report(list(merged.values()))
         return
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)

@@ -76,6 +76,7 @@ class GroupCoordinator:
             seen.add(group.block_size)
         # The floor's credit cap: a pool's worth of tokens (what the pool holds of one request's tables).
         pool.free.floor.cap = (pool.num_blocks - 1) // sum(pool.widths) * self._block_sizes[0]
+        pool.free.floor.block = self._block_sizes[0]
         self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)
         n = len(specs)    # what a step that changes nothing returns: fresh empty lists, built without a loop
         self.nothing = ((lambda: ([],)) if n == 1 else (lambda: ([], [])) if n == 2

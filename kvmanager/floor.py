@@ -13,27 +13,37 @@ have granted, ``l_i`` (with ``P_i`` tokens looked up). Then
 
 and the free queue follows the tiers while ``credit >= 0``, LRU's order otherwise (``free_queue``: content
 LRU does not hold goes first, so the real free blocks become LRU's at once). Below zero the real pool hits
-as LRU does, so the credit grows only by SLACK and cannot see the tiers doing better: once LRU has had as
-many admissions as the tiers' last stretch and served fewer hit tokens than they did there, the deficit is
-written off (``forgiven``) and the tiers get another try.
+as LRU does, so the credit cannot see the tiers doing better. What it can see, from the hashes alone, is
+where the tiers' order would have parted from LRU's on these same admissions (ARC's ghost hits): LRU
+**missing** a chain its own order evicted which the tiers' order would have kept (a tier-3 ghost evicted
+while following LRU, looked up while tier 3's votes say keep old chains), and LRU **hitting** a free block
+the tiers' order evicts first (tier 1 or 2, or tier 3 while those votes say youngest-first). The
+``evidence`` adds the first (tokens) and subtracts the second, from the switch on; once it covers the
+deficit, the deficit is written off (``forgiven``) and the tiers get another try. Where LRU never misses
+what it evicted, the tiers never come back. (An earlier rule, "LRU served fewer hit tokens in as many
+admissions as the tiers' last stretch", almost never fired where hit rates grow over a trace: zipf
+sessions warming up kept the floor on LRU for good after one transient dip, 0.595 against the tiers'
+0.706 alone; docs/design.md, Retention.)
 
 **The bound.** ``min(cap, .)`` only lowers the credit, so summing gives, after any ``n`` admissions,
 
     sum h_i >= sum l_i - SLACK * sum P_i - forgiven - overshoot_n,      overshoot_n = max(0, -credit_n)
 
-and over any stretch of admissions ``sum h_i >= sum l_i - SLACK * sum P_i - cap - overshoot``: a past
-surplus (at most ``cap``, a pool's worth of tokens) is spent once, not forever. The credit only falls below
-zero at the admission that crosses it (at most that admission's loss, its prompt at worst) and while the
-real pool still lacks what the tiers evicted before the switch and LRU kept: that content leaves the shadow
-within one turnover of the free pool. Each write-off is one such overshoot, and needs a stretch in which
-LRU itself served fewer hits than the tiers had: where LRU stays ahead the tiers never come back except
-through the slack. The comparison is with LRU on the same admissions (same order, same running requests),
-not with another run. Neither the overshoot's size nor the write-offs are bounded in advance: a loss is
-seen only when an admission needs what the tiers evicted earlier (docs/design.md, Retention, measures one).
+and each write-off is at most the evidence of its stretch, so ``forgiven`` is at most the tokens LRU
+itself missed, while in charge, on chains its own order had evicted and the tiers' would have kept (less
+what it hit that the tiers' order would have evicted): the manager trails LRU by more than the slack and
+the current overshoot only by what LRU provably lost to its own evictions. Over any stretch of admissions
+``cap`` more: a past surplus (at most ``cap``, a pool's worth of tokens) is spent once, not forever. The
+credit only falls below zero at the admission that crosses it (at most that admission's loss, its prompt
+at worst) and while the real pool still lacks what the tiers evicted before the switch and LRU kept: that
+content leaves the shadow within one turnover of the free pool. The comparison is with LRU on the same
+admissions (same order, same running requests), not with another run. The overshoot's size is not bounded
+in advance: a loss is seen only when an admission needs what the tiers evicted earlier.
 
 O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
-evicts; the shadow holds at most one entry per free pool unit. A lookup runs the hit search a second time,
-against the shadow, once either pool has evicted a cached block (before that both hold everything).
+evicts; a comparison per block a hit takes back; the shadow holds at most one entry per free pool unit.
+A lookup runs the hit search a second time, against the shadow, once either pool has evicted a cached
+block (before that both hold everything).
 """
 from __future__ import annotations
 
@@ -45,7 +55,7 @@ SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose 
 class Floor:
     __slots__ = ("shadow", "units", "ignore", "on_leave", "credit", "cap", "slack", "follow_lru", "evicted",
                  "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
-                 "episode", "tiers_episode", "forgiven")
+                 "evidence", "block", "forgiven")
 
     def __init__(self, cap: int = 0, slack: float = SLACK):
         self.shadow: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # free cached block -> its units
@@ -60,8 +70,8 @@ class Floor:
         self.admissions = self.lru_admissions = self.switches = 0
         self.hits = self.lru_hits = self.prompt_tokens = 0
         self.lowest = 0.0
-        self.episode = [0, 0]           # admissions and hit tokens since the last switch
-        self.tiers_episode = (0, 0)     # the same for the last stretch that followed the tiers
+        self.evidence = 0               # below the floor: tokens the tiers' order would have served more
+        self.block = 16                 # tokens a block (the smallest block size)
         self.forgiven = 0.0             # credit written off to give the tiers another try
 
     # -- the shadow: what plain LRU would hold ---------------------------------------------------
@@ -118,25 +128,20 @@ class Floor:
         credit = min(self.cap, self.credit + hit - lru_hit + self.slack * prompt_tokens)
         if credit < self.lowest:
             self.lowest = credit
-        episode = self.episode
-        episode[0] += 1
-        episode[1] += hit
-        if self.follow_lru and credit < 0:
-            # Below the floor the real pool hits as LRU does, so the credit can only tell how the tiers did
-            # before. Once LRU has had as many admissions as the tiers' last stretch and served fewer hit
-            # tokens, the tiers get another try: the deficit is written off (``forgiven``, part of the bound).
-            n, hits = self.tiers_episode
-            if episode[0] >= n > 0 and episode[1] < hits:
-                self.forgiven -= credit
-                credit = 0.0
+        if self.follow_lru and credit < 0 and self.evidence >= -credit:
+            self.forgiven -= credit     # the tiers would have made up the deficit: another try
+            credit = 0.0
         self.credit = credit
         follow = credit < 0
         if follow != self.follow_lru:
-            if follow:
-                self.tiers_episode = (episode[0], episode[1])
-            self.episode = [0, 0]
+            self.evidence = 0
             self.follow_lru = follow
             self.switches += 1
+
+    def tiers_vs_lru(self, blocks: int) -> None:
+        """Below the floor: the tiers' order would have served ``blocks`` more blocks' tokens than LRU did
+        (fewer, if negative)."""
+        self.evidence += blocks * self.block
 
     def report(self) -> dict:
         return {"admissions": self.admissions, "lru_share": self.lru_admissions / max(1, self.admissions),

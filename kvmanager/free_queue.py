@@ -42,7 +42,9 @@ negative (the tiers' hits fell more than its slack below LRU's on the same trace
 the empty tier, then the content LRU does not hold, then LRU's own order: the free blocks become LRU's at
 once, rather than after a pool's turnover of recomputed blocks pushing out what LRU kept. An admission
 that got less than LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess
-such a hit proves wrong.
+such a hit proves wrong. Below the floor, lookups passing ghosts LRU's order evicted and hits on blocks the
+tiers' order evicts first tell the floor where the two orders would have parted (its evidence for giving
+the tiers another try).
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
@@ -120,7 +122,8 @@ class FreeQueue:
         self._cap = max(16, 2 * len(units))
         self.children: OrderedDict[bytes, bytes] = OrderedDict()   # parent hash -> its first child seen
         self.forks: OrderedDict[bytes, None] = OrderedDict()       # parents seen with two children
-        self._ghosts: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()  # hash -> (stamp, youngest-first)
+        self._ghosts: OrderedDict[bytes, tuple[int, bool, bool]] = OrderedDict()  # hash -> (stamp,
+        # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
         self.fresh = False            # the last take's entries are loose units holding nothing
@@ -185,6 +188,8 @@ class FreeQueue:
                 self._vote(1)
             if b.batches is self._chains:
                 self._distances.append(age)
+        if self.floor.follow_lru and (b.batches is None or self._votes >= THRESHOLD):
+            self.floor.tiers_vs_lru(-1)     # LRU kept it, the tiers' order evicts it first
         self._unlink(block)
         if block.block_hash is not None:
             self.floor.taken((block.group, block.block_hash))
@@ -262,9 +267,12 @@ class FreeQueue:
             parent = h
             j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
-            stamp, youngest = ghosts[passed[-1]]    # again and again while it waits)
+            stamp, youngest, by_lru = ghosts[passed[-1]]    # again and again while it waits)
+            missed = 0
             for h in passed:
-                del ghosts[h]
+                missed += ghosts.pop(h)[2]
+            if missed and self.floor.follow_lru and self._votes >= THRESHOLD:
+                self.floor.tiers_vs_lru(missed)     # LRU evicted it, the tiers would have kept old chains
             distance = self._clock - stamp
             self._distances.append(distance)
             if not youngest:
@@ -407,7 +415,7 @@ class FreeQueue:
             tier = entry.bin
             if tier.batches is not None:
                 ghosts = self._ghosts
-                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier)
+                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
