@@ -228,15 +228,22 @@ def test_a_hit_on_a_block_being_stored_shares_it_and_the_fence_frees_it_once():
     units_accounted(mgr, [])
 
 
-def test_pending_loads_keep_the_request_from_computing_and_complete_out_of_order():
+def c_hits_a_from_host() -> tuple:
+    """A's blocks stored, then pushed off the device by b's; c (a's prompt and one more token) gets its hit
+    allocated from the host: (manager, a, c)."""
     mgr = hybrid(host=24)
-    prefill_and_free(mgr, "a", A)
+    a = prefill_and_free(mgr, "a", A)
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     prefill_and_free(mgr, "b", list(range(100, 110)))
     mgr.transfers_done(store_ids(mgr.take_transfers()))
     c = Request("c", A + [9])
     hit, h = mgr.get_computed_blocks(c)
     mgr.allocate_slots(c, 0, num_new_computed_tokens=h, new_computed_blocks=hit)
+    return mgr, a, c
+
+
+def test_pending_loads_keep_the_request_from_computing_and_complete_out_of_order():
+    mgr, _, c = c_hits_a_from_host()
     loads = [d for _, _, d in mgr.take_transfers().loads]
     assert len(loads) == 10
     for d in reversed(loads[1:]):
@@ -247,14 +254,7 @@ def test_pending_loads_keep_the_request_from_computing_and_complete_out_of_order
 
 
 def test_a_failed_load_preempts_the_request_which_recomputes_and_nothing_is_lost():
-    mgr = hybrid(host=24)
-    a = prefill_and_free(mgr, "a", A)
-    mgr.transfers_done(store_ids(mgr.take_transfers()))
-    prefill_and_free(mgr, "b", list(range(100, 110)))
-    mgr.transfers_done(store_ids(mgr.take_transfers()))
-    c = Request("c", A + [9])
-    hit, h = mgr.get_computed_blocks(c)
-    mgr.allocate_slots(c, 0, num_new_computed_tokens=h, new_computed_blocks=hit)
+    mgr, a, c = c_hits_a_from_host()
     c.num_computed_tokens = 8
     t = mgr.take_transfers()
     first_full = t.loads[0][2]
