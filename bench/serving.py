@@ -15,10 +15,11 @@ run, the in-process engine (the same simulated workers driven directly, as ``ben
 does) on the same trace: its tokens/s, TTFT and ITL, and the served/in-process ratio.
 
 ``--sleep-factor 0`` (the workers take no time: every millisecond is serving overhead) and ``1`` (the
-modelled H100 step slept) each get their own server, one after the other. Progress goes to stderr; the
+modelled H100 step slept) each get their own server, one after the other; with ``--frontend direct serve``
+each of those runs once per HTTP frontend (``swakv serve --frontend``) on the same traces, side by side. Progress goes to stderr; the
 table to stdout, then one JSON line per configuration (``--out`` appends them to a file too).
 
-    PYTHONPATH=. python bench/serving.py [--streams 1 16 64 256] [--sleep-factor 0 1] [--idle-s 30]
+    PYTHONPATH=. python bench/serving.py [--streams 1 16 64 256] [--sleep-factor 0 1] [--frontend direct serve] [--idle-s 30]
 """
 from __future__ import annotations
 
