@@ -11,6 +11,7 @@ import asyncio
 import socket
 import functools
 import json
+import os
 import time
 
 import httpx
@@ -566,7 +567,15 @@ def test_two_http_edges_share_a_port_and_one_serves_when_the_other_is_gone(url):
         pids = {ray.get(e.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30) for e in edges}
         assert len(pids) == 2
         assert_still_serving(base)
+        pid0 = ray.get(edges[0].__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30)
         ray.kill(edges[0], no_restart=True)
+        deadline = time.monotonic() + 30   # ray.kill returns at once: until the process is gone, the kernel
+        while time.monotonic() < deadline:  # may still hand its socket a connection, which its death resets
+            try:
+                os.kill(pid0, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         for _ in range(8):   # a new connection each time: whichever edge the kernel picks must be alive
             assert_still_serving(base)
     finally:

@@ -100,7 +100,6 @@ class HTTPEdge:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(sock,), name="http-edge", daemon=True)
         self.thread.start()
-        self.thread.join(0)
         for _ in range(int(STARTUP_TIMEOUT_S / 0.01)):
             if self.uvicorn.started or not self.thread.is_alive():
                 break
