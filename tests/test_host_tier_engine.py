@@ -1,0 +1,183 @@
+"""The host KV tier end to end: a prefix the device pool lost comes back from host memory and greedy
+decoding goes on token for token as if it had been recomputed.
+
+Each scenario runs the same turns (two 40-token sessions, then a follow-up of each, then four requests
+at once) on an engine whose device pool cannot keep the first session while the second runs, once with a
+host tier and once recomputing (no tier, no prefix cache); the tokens must be identical, and must be
+transformers' own. The counters prove the prefix came back from host (blocks loaded > 0), and zeroing the
+workers' host memory proves the loaded bytes are the ones attention reads. Faults: a worker restart with
+loads in flight, and a worker whose host memory is gone, both fall back to recomputation.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from cluster.engine.build import build_engine
+from cluster.engine.engine import WorkerFailure
+from cluster.engine.executor import LocalExecutor
+from cluster.engine.types import SamplingParams
+from cluster.ray.executors import RayExecutor
+from workers.models.tiny_models import build_tiny_model
+
+A = [(5 * j + 3) % 256 for j in range(40)]
+B = [(11 * j + 1) % 256 for j in range(40)]
+TURNS = [A, B, A + [9, 9], B + [7]]
+TOGETHER = [A + [1], B + [2], A + [3, 4], B + [5, 6]]
+MAX_TOKENS = 6
+# Device pools two blocks above what one request needs (``blocks_to_finish`` of 48 tokens): the second
+# session's prefill evicts the first's blocks.
+POOLS = {"default": 38, "tiny-gemma3": 23, "tiny-mistral": 5, "tiny-llama4": 20, "tiny-gemma2": 17}
+
+
+@functools.cache
+def reference(model: str, prompt: tuple[int, ...]) -> list[int]:
+    m = build_tiny_model(model, seed=0)
+    out = m.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def drain(engine, tokens: dict) -> None:
+    for _ in range(2000):
+        if not engine.has_work():
+            return
+        for u in engine.step():
+            tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+    raise AssertionError("the engine did not finish")
+
+
+def run_turns(engine, before_turn=None) -> list[list[int]]:
+    """The turns one at a time, then the four requests at once; each request's tokens in that order."""
+    tokens: dict = {}
+    for i, prompt in enumerate(TURNS):
+        if before_turn is not None:
+            before_turn(i, engine)
+        engine.add_request(f"turn{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        drain(engine, tokens)
+    for i, prompt in enumerate(TOGETHER):
+        engine.add_request(f"together{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    drain(engine, tokens)
+    return [tokens[f"turn{i}"] for i in range(len(TURNS))] + [tokens[f"together{i}"] for i in range(len(TOGETHER))]
+
+
+@functools.cache
+def recomputed(model: str, pp: int = 1) -> list[list[int]]:
+    engine, _ = build_engine(model, block_size=4, num_blocks=POOLS[model], max_num_batched_tokens=16,
+                             enable_prefix_caching=False, pipeline_parallel_size=pp)
+    return run_turns(engine)
+
+
+def settled(engine) -> None:
+    """Idle: every device unit back in the free queue, no copy in flight, nothing loading."""
+    mgr = engine.manager
+    assert mgr.num_free_blocks == mgr.num_blocks - 1
+    assert not mgr.host_tier.in_flight() and not mgr.requests_loading
+
+
+@pytest.mark.parametrize("model", ["default", "tiny-gemma3", "tiny-mistral", "tiny-llama4"])
+def test_a_prefix_restored_from_host_decodes_exactly_as_recomputed(model):
+    engine, info = build_engine(model, block_size=4, num_blocks=POOLS[model], max_num_batched_tokens=16,
+                                num_host_blocks=400)
+    got = run_turns(engine)
+    assert got == recomputed(model)
+    if model != "default":   # the bundled model's weights are not build_tiny_model's
+        assert got == [reference(model, tuple(p)) for p in TURNS + TOGETHER]
+    stats = engine.stats()
+    assert stats["kv_host_blocks_loaded"] > 0 and stats["kv_host_hit_requests"] > 0
+    assert stats["kv_host_hit_tokens"] >= 4 * stats["kv_host_hit_requests"]   # at least a block each
+    assert stats["kv_host_blocks_stored"] > 0 and stats["kv_host_load_failures"] == 0
+    assert stats["kv_host_loads_completed"] == stats["kv_host_hit_requests"]
+    assert stats["kv_host_bytes_loaded"] > 0 and stats["kv_host_load_latency_s_sum"] > 0
+    settled(engine)
+
+
+def test_two_pipeline_stages_restore_their_own_layers_from_host():
+    engine, _ = build_engine("tiny-gemma2", pipeline_parallel_size=2, block_size=4, num_blocks=POOLS["tiny-gemma2"],
+                             max_num_batched_tokens=16, num_host_blocks=400)
+    assert all(w.host.num_units == 400 for w in engine.executor.workers)
+    assert run_turns(engine) == recomputed("tiny-gemma2", pp=2) == [reference("tiny-gemma2", tuple(p))
+                                                                    for p in TURNS + TOGETHER]
+    assert engine.stats()["kv_host_blocks_loaded"] > 0
+    settled(engine)
+
+
+def test_with_asynchronous_scheduling_a_restore_decodes_exactly_as_recomputed():
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=POOLS["tiny-gemma3"], max_num_batched_tokens=16,
+                             num_host_blocks=400, async_scheduling=True)
+    assert run_turns(engine) == recomputed("tiny-gemma3")
+    assert engine.stats()["kv_host_blocks_loaded"] > 0
+    settled(engine)
+
+
+def zero_host_memory(turn, engine):
+    if turn == 2:        # after both sessions were stored, before the follow-ups load them
+        for w in engine.executor.workers:
+            for pair in w.host.pairs:
+                for t in pair:
+                    t.zero_()
+
+
+def test_the_loaded_bytes_are_what_attention_reads_zeroed_host_memory_changes_the_tokens():
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=POOLS["tiny-gemma3"], max_num_batched_tokens=16,
+                             num_host_blocks=400)
+    got = run_turns(engine, before_turn=zero_host_memory)
+    assert got[:2] == recomputed("tiny-gemma3")[:2]
+    assert got[2] != recomputed("tiny-gemma3")[2]      # the follow-up read the zeros the load brought back
+
+
+class CrashesWithLoads(LocalExecutor):
+    """Real workers; the first step that carries loads from host crashes them (a worker lost mid-copy)."""
+
+    def __init__(self, stage_kwargs):
+        super().__init__(stage_kwargs)
+        self.crashed = 0
+
+    def execute(self, step):
+        if step.kv_loads and not self.crashed:
+            self.crashed = len(step.kv_loads)
+            raise WorkerFailure("worker lost during a step")
+        return super().execute(step)
+
+
+def test_a_worker_restart_with_loads_in_flight_falls_back_to_recompute_with_the_same_tokens():
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=POOLS["tiny-gemma3"], max_num_batched_tokens=16,
+                             num_host_blocks=400)
+    engine.executor = CrashesWithLoads(engine.executor.stage_kwargs)
+    assert run_turns(engine) == recomputed("tiny-gemma3")
+    stats = engine.stats()
+    assert engine.executor.crashed > 0
+    assert stats["worker_restarts"] == 1
+    assert stats["kv_host_load_failures"] == 1          # the one request that was loading
+    settled(engine)
+
+
+def lose_host_memory(turn, engine):
+    if turn == 2:        # the host memory goes, the device pool stays: only the workers know
+        for w in engine.executor.workers:
+            w.host.filled = bytearray(w.host.num_units)
+            zero_host_memory(turn, engine)
+
+
+def test_loads_a_worker_reports_failed_requeue_their_request_which_recomputes_the_same_tokens():
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=POOLS["tiny-gemma3"], max_num_batched_tokens=16,
+                             num_host_blocks=400)
+    assert run_turns(engine, before_turn=lose_host_memory) == recomputed("tiny-gemma3")
+    stats = engine.stats()
+    assert stats["kv_host_load_failures"] >= 1 and stats["worker_restarts"] == 0
+    settled(engine)
+
+
+def test_tensor_parallel_ranks_in_two_stages_over_ray_restore_exactly(ray_runtime):
+    # tiny-gemma2 on four worker actors (two stages of two gloo ranks): each keeps its heads' share of
+    # its layers in its own host pool.
+    engine, _ = build_engine("tiny-gemma2", tensor_parallel_size=2, pipeline_parallel_size=2, block_size=4,
+                             num_blocks=POOLS["tiny-gemma2"], max_num_batched_tokens=16, num_host_blocks=400,
+                             executor_cls=RayExecutor, num_cpus_per_worker=0.5)
+    try:
+        assert run_turns(engine) == [reference("tiny-gemma2", tuple(p)) for p in TURNS + TOGETHER]
+        assert engine.stats()["kv_host_blocks_loaded"] > 0
+        settled(engine)
+    finally:
+        engine.executor.shutdown()
