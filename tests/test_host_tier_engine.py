@@ -11,6 +11,7 @@ loads in flight, and a worker whose host memory is gone, both fall back to recom
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
@@ -181,3 +182,33 @@ def test_tensor_parallel_ranks_in_two_stages_over_ray_restore_exactly(ray_runtim
         settled(engine)
     finally:
         engine.executor.shutdown()
+
+
+def random_waves(seed: int) -> list:
+    """Waves of 1-3 requests at once, each a random suffix on one of three random prefixes (8-32 tokens)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(rng.randrange(8, 33))] for _ in range(3)]
+    return [[(rng.choice(prefixes) + [rng.randrange(256) for _ in range(rng.randrange(1, 9))], rng.randrange(1, 7))
+             for _ in range(rng.randrange(1, 4))] for _ in range(4)]
+
+
+def run_waves(waves, **kwargs) -> dict:
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=40, max_num_batched_tokens=16, **kwargs)
+    tokens, n = {}, 0
+    for wave in waves:
+        for prompt, max_tokens in wave:
+            engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens))
+            n += 1
+        drain(engine, tokens)
+    return tokens, engine
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_waves_with_preemption_and_a_small_host_decode_as_recomputed(seed):
+    # 60 host units: fewer than the traces store, so host eviction runs too; some seeds preempt
+    waves = random_waves(seed)
+    recompute, _ = run_waves(waves, enable_prefix_caching=False)
+    for async_scheduling in (False, True):
+        tokens, engine = run_waves(waves, num_host_blocks=60, async_scheduling=async_scheduling)
+        assert tokens == recompute
+        settled(engine)
