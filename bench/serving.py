@@ -48,6 +48,10 @@ GOALS = "idle < 2% of a core per process; 0-sleep: 256 streams >= 7,500 tok/s wi
         "<= 1.25 x step at 256"
 
 
+COUNTERS = {"swakv_steps_total": "steps", "swakv_stream_records_total": "records",
+            "swakv_add_calls_total": "add_calls", "swakv_engine_host_seconds_total": "host_s", "swakv_engine_wait_seconds_total": "wait_s"}
+
+
 def log(msg: str) -> None:
     print(f"[serving {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -178,19 +182,21 @@ class Server:
             self.known.update(process_tree(self.proc.pid))
             time.sleep(1)
 
-    def steps(self) -> tuple[float | None, float | None]:
-        """The engine's step counter (``swakv_steps_total``) and the Ray messages it sent the HTTP side
-        (``swakv_stream_records_total``; None from a server that streams one message per token)."""
+    def counters(self) -> dict[str, float]:
+        """The engine's counters this bench reads from /metrics: steps (``swakv_steps_total``), the Ray
+        messages it sent the HTTP side (``swakv_stream_records_total``; absent from a server that streams
+        one message per token) and its core thread's time in steps, working and waiting for the workers
+        (``swakv_engine_{host,wait}_seconds_total``). Empty if /metrics did not answer."""
         try:
             _, body = http_get(f"http://127.0.0.1:{self.port}/metrics", timeout=10)
         except OSError:
-            return None, None
+            return {}
         found = {}
         for line in body.decode().splitlines():
-            for name in ("swakv_steps_total", "swakv_stream_records_total"):
-                if line.startswith(name):
-                    found[name] = float(line.split()[-1])
-        return found.get("swakv_steps_total"), found.get("swakv_stream_records_total")
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in COUNTERS:
+                found[COUNTERS[name]] = found.get(COUNTERS[name], 0.0) + float(line.split()[-1])
+        return found
 
     def stop(self, grace_s: float = 60.0) -> None:
         """Ctrl-C to the whole group (as a terminal sends it), then SIGKILL to whatever is left of it."""
@@ -446,7 +452,7 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
         cfg["idle_total_cpu"] = sum(r["cpu"] for r in idle)
         log("idle CPU: " + ", ".join(f"{r['name']} {100 * r['cpu']:.1f}%" for r in idle[:5]))
         for n in args.streams:
-            steps0 = server.steps()
+            counters0 = server.counters()
             before = sample_tree(server.proc.pid)
             profiles = (start_profiles(server.proc.pid, args.profile, f"sleep{sleep_factor:g}-n{n}", args.profile_rate)
                         if args.profile and n in args.profile_streams else [])
@@ -456,12 +462,15 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
             finally:
                 stop_profiles(profiles)
             busy = cpu_shares(before, sample_tree(server.proc.pid), time.perf_counter() - t0)
-            steps1 = server.steps()
+            counters1 = server.counters()
             res["streams"] = n
-            (steps0, records0), (steps1, records1) = steps0, steps1
-            res["steps"] = steps1 - steps0 if steps0 is not None and steps1 is not None else None
-            messages = records1 - records0 if records0 is not None and records1 is not None else res["token_events"]
+            delta = {k: counters1[k] - counters0[k] for k in counters1 if k in counters0}
+            res["steps"] = delta.get("steps")
+            messages = delta.get("records", res["token_events"])
             res["items_per_step"] = messages / res["steps"] if res["steps"] else None
+            res["requests_per_add_call"] = n / delta["add_calls"] if delta.get("add_calls") else None
+            for key in ("host_s", "wait_s"):   # the engine core's time per step, working / waiting for workers
+                res[f"{key[:-2]}_per_step_s"] = delta[key] / res["steps"] if res["steps"] and key in delta else None
             res["server_cpu"] = [{"name": r["name"], "cpu": round(r["cpu"], 3)} for r in busy if r["cpu"] >= 0.02]
             res["client_bound"] = res["client_cpu"] >= 0.8
             res["modelled_step_s"] = modelled_decode_step_s(args.model, args.gpu, n, args.prompt_len + args.max_tokens // 2)
@@ -485,7 +494,7 @@ def render(cfg: dict) -> str:
     lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
-             f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'items/st':>8} {'tok/ev':>6} "
+             f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'host/st':>7} {'wait/st':>7} {'items/st':>8} {'req/add':>7} {'tok/ev':>6} "
              f"{'client':>6} {'err':>4}  busiest server processes"]
     for r in cfg["runs"]:
         e = r.get("engine", {})
@@ -495,12 +504,13 @@ def render(cfg: dict) -> str:
                      f"{fmt_ms(r['itl_p50']):>7} {fmt_ms(r['itl_p99']):>7} {fmt_ms(r['gap_p50']):>6} {fmt_ms(r['gap_p99']):>6} "
                      f"{fmt_ms(e.get('ttft_p50')):>10} "
                      f"{fmt_ms(e.get('itl_p50')):>9} {fmt_ms(r['modelled_step_s']):>6} {r['steps'] or 0:>5.0f} "
-                     f"{(r['items_per_step'] or 0):>8.1f} {r['tokens'] / max(r['token_events'], 1):>6.2f} {100 * r['client_cpu']:>5.0f}%"
+                     f"{fmt_ms(r.get('host_per_step_s')):>7} {fmt_ms(r.get('wait_per_step_s')):>7} "
+                     f"{(r['items_per_step'] or 0):>8.1f} {(r.get('requests_per_add_call') or 0):>7.1f} {r['tokens'] / max(r['token_events'], 1):>6.2f} {100 * r['client_cpu']:>5.0f}%"
                      f"{'!' if r['client_bound'] else ' '}{r['errors'] + r['incomplete']:>4}  {busiest}")
     lines.append("  (ms; ITL = a stream's mean gap between tokens; gap = every gap between two token events; "
                  "engine = the in-process engine on the same trace; ratio = served / engine tok/s; step* = the "
-                 "modelled decode step at that batch; items/st = engine->HTTP Ray messages per step (token events per "
-                 "step for a per-token server); tok/ev = tokens per SSE event (> 1: lagging streams got several at once); client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit)")
+                 "modelled decode step at that batch; host/st, wait/st = the engine core's time per step working and waiting for the workers; items/st = engine->HTTP Ray messages per step (token events per "
+                 "step for a per-token server); req/add = requests per Ray call that queued them (a burst shares one); tok/ev = tokens per SSE event (> 1: lagging streams got several at once); client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit)")
     idle = cfg.get("idle") or []
     lines.append("idle CPU per process (% of one core): " + ", ".join(
         f"{r['name'].replace('ray::', '')} {100 * r['cpu']:.1f}" for r in idle if r["cpu"] >= 0.001)

@@ -129,7 +129,7 @@ def test_a_subscription_that_ends_aborts_its_requests_and_not_another_frontends(
             if any(item["finished"] for _, item in record):
                 break
         await stays.aclose()
-        for _ in range(100):
+        for _ in range(3000):                               # the abort lands between two steps: poll, bounded
             stats = await svc.stats()
             if stats["running"] == 0:
                 break
@@ -211,7 +211,7 @@ def test_a_second_subscription_under_one_name_ends_the_first_and_aborts_its_requ
             return [record async for record in first]
         rest = await asyncio.wait_for(records(), 30)        # ends instead of waiting forever
         await second.aclose()
-        for _ in range(100):
+        for _ in range(3000):                               # the abort lands between two steps: poll, bounded
             stats = await svc.stats()
             if stats["running"] == 0:
                 break
@@ -221,3 +221,31 @@ def test_a_second_subscription_under_one_name_ends_the_first_and_aborts_its_requ
     rest, stats = asyncio.run(main())
     assert all(key == 0 for record in rest for key, _ in record)
     assert (stats["running"], stats["finished"]) == (0, {"abort": 1})
+
+
+def test_a_batch_of_adds_queues_the_good_requests_and_returns_each_bad_ones_own_error():
+    async def main():
+        svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
+        sub = svc.subscribe("f")
+        assert await anext(sub) == []
+        results = await svc.add_requests("f", [
+            (0, "a", PROMPTS[0], {"max_tokens": 3}, None),
+            (1, "bad-token", [1, 2, 10**6], {"max_tokens": 2}, None),     # refused by the engine
+            (2, "bad-params", PROMPTS[1], {"max_tokens": -1}, None),      # refused before the engine
+            (3, "d", PROMPTS[2], {"max_tokens": 4}, None)])
+        tokens, finished = {}, set()
+        async for record in sub:
+            for key, item in record:
+                tokens.setdefault(key, []).extend(item["token_ids"])
+                finished |= {key} if item["finished"] else set()
+            if finished == {0, 3}:
+                break
+        await sub.aclose()
+        return results, tokens, await svc.stats()
+
+    results, tokens, stats = asyncio.run(main())
+    assert results[0] == "a#1" and results[3] == "d#3"
+    assert isinstance(results[1], ValueError) and "outside the model's vocabulary" in str(results[1])
+    assert isinstance(results[2], ValueError) and "max_tokens" in str(results[2])
+    assert tokens == {0: reference(tuple(PROMPTS[0]), 3), 3: reference(tuple(PROMPTS[2]), 4)}   # none for 1, 2
+    assert (stats["add_calls"], stats["finished"]) == (1, {"length": 2})

@@ -305,6 +305,34 @@ def test_bad_requests_get_4xx_json(url, path, body, status, needle):
     assert "cmpl-" not in error["message"] and "#" not in error["message"]   # no internal request id
 
 
+def test_a_burst_of_requests_reaches_the_engine_in_one_ray_call(url):
+    """Six requests added in one turn of the frontend's event loop travel in one ``add_requests`` call, each
+    getting its own engine id and its own greedy tokens."""
+    from cluster.serve.feed import EngineFeed, next_item
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+
+    async def main():
+        feed = EngineFeed(ray.get_actor(ENGINE, namespace=NAMESPACE), "burst-test")
+        before = (await feed.handle.stats.remote())["add_calls"]
+        added = await asyncio.gather(*(feed.add(f"burst{i}", p, {"max_tokens": 3}, None) for i, p in enumerate(prompts)))
+        calls = (await feed.handle.stats.remote())["add_calls"] - before
+        tokens = []
+        for _, key, queue in added:
+            out, item = [], {"finished": False}
+            while not item["finished"]:
+                item = await asyncio.wait_for(next_item(queue), 60)
+                out += item["token_ids"]
+            tokens.append(out)
+            feed.release(key)
+        feed.close()
+        return calls, [request_id for request_id, _, _ in added], tokens
+
+    calls, ids, tokens = asyncio.run(main())
+    assert calls == 1
+    assert [i.split("#")[0] for i in ids] == [f"burst{i}" for i in range(6)] and len(set(ids)) == 6
+    assert tokens == [greedy(tuple(p), 3) for p in prompts]
+
+
 def test_unknown_route_and_nothing_left_behind(url):
     r = httpx.get(url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -187,7 +187,7 @@ class Engine:
         a failure nobody can be blamed for (then the workers restarted and the step in flight is lost)."""
         while True:
             try:
-                handle = self.executor.submit(plan.step)
+                handle = self._wait(self.executor.submit, plan.step)   # the workers' ack is a wait
             except Exception as exc:  # noqa: BLE001
                 failed = self.isolate(plan, exc)
                 if failed is not None:

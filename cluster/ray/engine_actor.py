@@ -97,6 +97,7 @@ class EngineService:
         self._subscribers: dict[str, _Subscriber] = {}
         self._ids = itertools.count(1)
         self.records = 0                                # subscription records sent (one Ray message each)
+        self.add_calls = 0                              # add_requests calls (a frontend's burst is one)
         self._status, self._detail = "starting", "loading the model and starting the workers"
         self.events: EventPublisher | None = None       # once the engine is built
         self._published = asyncio.Event()               # set (and replaced) at each new batch
@@ -205,21 +206,54 @@ class EngineService:
 
     async def _add(self, label: str, prompt_token_ids, params, block_hashes, sink) -> str:
         """Queue a request on the core thread; its updates go to ``sink(update)``. Raises as ``add_request``."""
+        result, = await self._add_many([(label, prompt_token_ids, params, block_hashes, sink)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def _add_many(self, entries: list[tuple]) -> list:
+        """Queue requests ``(label, prompt ids, params, block hashes, sink)`` on the core thread in one
+        command; per request, its engine id or the exception that refused it (nothing queued for that one).
+        Raises ``EngineUnavailable`` for all of them when the engine takes none."""
         await self._started()
         status = self.status
         if status in ("no_workers", "stopping"):
             raise EngineUnavailable(status, SHUTTING_DOWN if status == "stopping"
                                     else f"the engine has no workers ({self.detail}); it keeps trying to start them")
-        sampling = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
-        request_id = f"{label}#{next(self._ids)}"
-        self._sinks[request_id] = sink     # before the core can step it
+        results: list = []
+        staged = []
+        for label, prompt_token_ids, params, block_hashes, sink in entries:
+            try:
+                sampling = params if isinstance(params, SamplingParams) else SamplingParams(**(params or {}))
+                hashes = split_hashes(block_hashes)
+            except (TypeError, ValueError) as exc:
+                results.append(exc)
+                continue
+            request_id = f"{label}#{next(self._ids)}"
+            self._sinks[request_id] = sink     # before the core can step it
+            staged.append((len(results), request_id, prompt_token_ids, sampling, hashes))
+            results.append(request_id)
+
+        def add_all() -> list:
+            refused = []
+            for _, request_id, prompt_token_ids, sampling, hashes in staged:
+                try:
+                    self.core.add_request(request_id, prompt_token_ids, sampling, hashes)
+                    refused.append(None)
+                except (TypeError, ValueError) as exc:   # bad input: nothing queued for this one
+                    refused.append(exc)
+            return refused
         try:
-            await self._on_core(self.core.add_request, request_id, prompt_token_ids, sampling,
-                                split_hashes(block_hashes))   # ValueError: nothing queued
+            refused = await self._on_core(add_all) if staged else []
         except BaseException:
-            self._sinks.pop(request_id, None)
+            for _, request_id, *_ in staged:
+                self._sinks.pop(request_id, None)
             raise
-        return request_id
+        for (i, request_id, *_), exc in zip(staged, refused):
+            if exc is not None:
+                self._sinks.pop(request_id, None)
+                results[i] = exc
+        return results
 
     async def subscribe(self, subscriber: str):
         """A frontend's one stream of this engine's updates (``num_returns="streaming"``): first an empty
@@ -261,19 +295,34 @@ class EngineService:
         engine's id for it (``label#n``, what ``abort`` takes). Raises before anything is queued:
         ``EngineUnavailable`` (no workers, stopping, or no such subscription: the engine restarted),
         ``ValueError`` (bad input)."""
+        result, = await self.add_requests(subscriber, [(key, label, prompt_token_ids, params, block_hashes)])
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def add_requests(self, subscriber: str, batch: list) -> list:
+        """``add_request`` for several requests ``(key, label, prompt ids, params, block hashes)`` in one
+        Ray message and one command to the core thread (a frontend's adds of one moment): per request, its
+        engine id or the exception that refused it. Raises ``EngineUnavailable`` when none is taken."""
+        self.add_calls += 1
         sub = self._subscribers.get(subscriber)
         if sub is None:
             raise EngineUnavailable("restarting", f"no subscription {subscriber!r} (the engine restarted); "
                                     "the request can be retried")
+        if not isinstance(batch, (list, tuple)) or not all(isinstance(e, (list, tuple)) and len(e) == 5 for e in batch):
+            raise TypeError("add_requests takes a list of (key, label, prompt_token_ids, params, block_hashes)")
 
-        def sink(u: SequenceUpdate):
-            sub.pending.append((key, stream_item(u)))
-            if u.finished:
-                sub.requests.discard(u.request_id)
-            return sub
-        request_id = await self._add(label, prompt_token_ids, params, block_hashes, sink)
-        sub.requests.add(request_id)
-        return request_id
+        def sink_for(key):
+            def sink(u: SequenceUpdate):
+                sub.pending.append((key, stream_item(u)))
+                if u.finished:
+                    sub.requests.discard(u.request_id)
+                return sub
+            return sink
+        results = await self._add_many([(label, ids, params, hashes, sink_for(key))
+                                        for key, label, ids, params, hashes in batch])
+        sub.requests.update(r for r in results if isinstance(r, str))
+        return results
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
                        block_hashes: dict[int, bytes] | None = None):
@@ -311,7 +360,8 @@ class EngineService:
         await self._started()
         return {**self.engine.stats(), "model": self.info.get("model"), "status": self.status,
                 "replica": self.rank, "kv_events_epoch": self.events.epoch, "kv_events_seq": self.events.seq,
-                "prefix_cached_blocks": self.events.num_cached(), "stream_records": self.records}
+                "prefix_cached_blocks": self.events.num_cached(), "stream_records": self.records,
+                "add_calls": self.add_calls}
 
     def _load(self) -> Load:
         return Load(status=self.status, **self.engine.load())

@@ -138,6 +138,7 @@ class RayExecutor:
         self.worker_names = [f"swakv-worker-stage{i // tp}-rank{i % tp}-{token}" for i in range(n)]
         self.actors = [
             actor_cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=0, runtime_env=env, name=name,
+                              enable_task_events=False,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   placement_group=self.placement_group, placement_group_bundle_index=i // tp)
                               ).remote(kwargs)

@@ -51,7 +51,7 @@ def spawn_engine_actor(args: EngineArgs | dict, name: str, *, rank: int = 0, max
     args = args if isinstance(args, EngineArgs) else EngineArgs.from_dict(args)
     actor_cls = ray.remote(EngineService)
     return actor_cls.options(name=name, namespace=NAMESPACE, num_cpus=0, max_restarts=max_restarts,
-                             max_task_retries=0, max_concurrency=1000,
+                             max_task_retries=0, max_concurrency=1000, enable_task_events=False,
                              lifetime="detached" if detached else None, resources=resources or {},
                              ).remote(build_engine, args, rank=rank, executor_cls=RayExecutor,
                                       executor_options={"replica_set": replica_set})

@@ -1,9 +1,11 @@
 """One HTTP frontend's subscription to one engine: every request's updates arrive in one Ray message
 per engine step and are sorted here into per-request queues (``EngineService.subscribe``).
 
-A request is added by a plain call (``add_request``: the engine's id back, or its refusal raised before
-anything is queued) under a key this frontend picks, whose queue exists before the call goes out, so an
-update can never arrive for a request nobody waits on. A request whose add call was cancelled (its
+A request is added under a key this frontend picks, whose queue exists before the call goes out, so an
+update can never arrive for a request nobody waits on. The adds of one turn of the event loop (a burst
+of clients) travel together, in one ``add_requests`` call: one Ray message and one command between two
+engine steps for the burst, not one each; each request gets its engine id back, or its own refusal,
+raised before anything is queued for it. A request whose add call was cancelled (its
 client left) is aborted as soon as its first update names it. When the subscription ends (the engine
 process died, or Ray restarted it), every request waiting on it gets ``SubscriptionLost`` and the
 frontend opens a new subscription at its next request.
@@ -34,6 +36,8 @@ class EngineFeed:
         self.queues: dict[int, asyncio.Queue | None] = {}    # key -> its request's queue; None: abort on sight
         self.error: BaseException | None = None
         self._keys = itertools.count()
+        self._adding: list[tuple[tuple, asyncio.Future]] = []   # adds of this turn of the loop, not sent yet
+        self._sending: set[asyncio.Task] = set()
         loop = asyncio.get_running_loop()
         self._opened = loop.create_future()
         self._task = loop.create_task(self._follow())
@@ -86,9 +90,12 @@ class EngineFeed:
             raise self.error
         key, queue = next(self._keys), asyncio.Queue()
         self.queues[key] = queue
+        future = asyncio.get_running_loop().create_future()
+        if not self._adding:
+            asyncio.get_running_loop().call_soon(self._send_adds)
+        self._adding.append(((key, label, token_ids, params, block_hashes), future))
         try:
-            request_id = await self.handle.add_request.remote(self.subscriber, key, label, token_ids, params,
-                                                              block_hashes)
+            request_id = await future
         except asyncio.CancelledError:
             if key in self.queues:
                 self.queues[key] = None                      # queued or not: abort it when it shows up
@@ -97,6 +104,29 @@ class EngineFeed:
             self.queues.pop(key, None)
             raise
         return request_id, key, queue
+
+    def _send_adds(self) -> None:
+        batch, self._adding = self._adding, []
+        try:
+            ref = self.handle.add_requests.remote(self.subscriber, [entry for entry, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - each waiting add raises it
+            ref = exc
+        task = asyncio.get_running_loop().create_task(self._settle(ref, batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _settle(self, ref, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        """Each add's engine id, or its refusal; a failed call (the engine gone, or taking none) is every one's."""
+        try:
+            results = [ref] * len(batch) if isinstance(ref, BaseException) else await ref
+        except Exception as exc:  # noqa: BLE001
+            results = [exc] * len(batch)
+        for ((key, *_), future), result in zip(batch, results):
+            refused = isinstance(result, BaseException)
+            if not future.done():
+                (future.set_exception if refused else future.set_result)(result)
+            elif refused and self.queues.get(key, False) is None:   # its client left, and nothing was queued
+                del self.queues[key]
 
     def release(self, key: int, abort_id: str | None = None) -> None:
         """The request's consumer is done; ``abort_id``: the engine request to abort (it had not finished)."""

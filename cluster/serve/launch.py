@@ -54,7 +54,7 @@ def start_edges(args: tuple, *, host: str = "127.0.0.1", port: int = 8000, count
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(HTTPEdge)
-    handles = [actor.options(name=f"{name}-{i}", num_cpus=0, max_restarts=-1, namespace=NAMESPACE,
+    handles = [actor.options(name=f"{name}-{i}", num_cpus=0, max_restarts=-1, namespace=NAMESPACE, enable_task_events=False,
                              scheduling_strategy=here).remote(args, host, port, count > 1) for i in range(count)]
     try:
         ray.get([h.ready.remote() for h in handles], timeout=60)

@@ -17,6 +17,10 @@ _METRICS = (
     ("swakv_scheduled_tokens_total", "scheduled_tokens", "counter", "Tokens computed by engine steps."),
     ("swakv_step_time_seconds_mean", "mean_step_time_s", "gauge", "Mean wall time of an engine step."),
     ("swakv_step_time_seconds_last", "last_step_time_s", "gauge", "Wall time of the last engine step."),
+    ("swakv_engine_host_seconds_total", "host_time_s", "counter",
+     "Engine-core wall time in steps not spent waiting for the workers (scheduling, applying results)."),
+    ("swakv_engine_wait_seconds_total", "wait_time_s", "counter",
+     "Engine-core wall time in steps spent waiting for the workers (their step, and the hand-offs)."),
     ("swakv_delta_bytes_total", "delta_bytes", "counter", "Encoded block-table delta bytes sent to workers."),
     ("swakv_worker_restarts_total", "worker_restarts", "counter", "Worker-group restarts after a failure."),
     ("swakv_recomputed_requests_total", "recomputed_requests", "counter", "Requests recomputed after a restart."),
@@ -37,6 +41,8 @@ _METRICS = (
      "Requests whose loads from the host tier failed (host memory lost); they recompute."),
     ("swakv_stream_records_total", "stream_records", "counter",
      "Records sent to HTTP frontends' subscriptions (one Ray message each, one per step per frontend at most)."),
+    ("swakv_add_calls_total", "add_calls", "counter",
+     "Calls from HTTP frontends that queued requests (one Ray message each; a burst of requests shares one)."),
 )
 
 
