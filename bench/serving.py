@@ -49,7 +49,7 @@ GOALS = "idle < 2% of a core per process; 0-sleep: 256 streams >= 7,500 tok/s wi
 
 
 COUNTERS = {"swakv_steps_total": "steps", "swakv_stream_records_total": "records",
-            "swakv_add_calls_total": "add_calls", "swakv_engine_host_seconds_total": "host_s", "swakv_engine_wait_seconds_total": "wait_s"}
+            "swakv_add_calls_total": "add_calls", "swakv_step_work_seconds_total": "host_s", "swakv_step_wait_seconds_total": "wait_s"}
 
 
 def log(msg: str) -> None:
@@ -186,7 +186,7 @@ class Server:
         """The engine's counters this bench reads from /metrics: steps (``swakv_steps_total``), the Ray
         messages it sent the HTTP side (``swakv_stream_records_total``; absent from a server that streams
         one message per token) and its core thread's time in steps, working and waiting for the workers
-        (``swakv_engine_{host,wait}_seconds_total``). Empty if /metrics did not answer."""
+        (``swakv_step_{work,wait}_seconds_total``). Empty if /metrics did not answer."""
         try:
             _, body = http_get(f"http://127.0.0.1:{self.port}/metrics", timeout=10)
         except OSError:
