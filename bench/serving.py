@@ -49,7 +49,7 @@ GOALS = "idle < 2% of a core per process; 0-sleep: 256 streams >= 7,500 tok/s wi
 
 
 COUNTERS = {"swakv_steps_total": "steps", "swakv_stream_records_total": "records",
-            "swakv_add_calls_total": "add_calls", "swakv_step_work_seconds_total": "host_s", "swakv_step_wait_seconds_total": "wait_s"}
+            "swakv_add_calls_total": "add_calls", "swakv_step_work_seconds_total": "work_s", "swakv_step_wait_seconds_total": "wait_s"}
 
 
 def log(msg: str) -> None:
@@ -469,7 +469,7 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
             messages = delta.get("records", res["token_events"])
             res["items_per_step"] = messages / res["steps"] if res["steps"] else None
             res["requests_per_add_call"] = n / delta["add_calls"] if delta.get("add_calls") else None
-            for key in ("host_s", "wait_s"):   # the engine core's time per step, working / waiting for workers
+            for key in ("work_s", "wait_s"):   # the engine core's time per step, working / waiting for workers
                 res[f"{key[:-2]}_per_step_s"] = delta[key] / res["steps"] if res["steps"] and key in delta else None
             res["server_cpu"] = [{"name": r["name"], "cpu": round(r["cpu"], 3)} for r in busy if r["cpu"] >= 0.02]
             res["client_bound"] = res["client_cpu"] >= 0.8
@@ -494,7 +494,7 @@ def render(cfg: dict) -> str:
     lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
-             f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'host/st':>7} {'wait/st':>7} {'items/st':>8} {'req/add':>7} {'tok/ev':>6} "
+             f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'work/st':>7} {'wait/st':>7} {'items/st':>8} {'req/add':>7} {'tok/ev':>6} "
              f"{'client':>6} {'err':>4}  busiest server processes"]
     for r in cfg["runs"]:
         e = r.get("engine", {})
@@ -504,12 +504,12 @@ def render(cfg: dict) -> str:
                      f"{fmt_ms(r['itl_p50']):>7} {fmt_ms(r['itl_p99']):>7} {fmt_ms(r['gap_p50']):>6} {fmt_ms(r['gap_p99']):>6} "
                      f"{fmt_ms(e.get('ttft_p50')):>10} "
                      f"{fmt_ms(e.get('itl_p50')):>9} {fmt_ms(r['modelled_step_s']):>6} {r['steps'] or 0:>5.0f} "
-                     f"{fmt_ms(r.get('host_per_step_s')):>7} {fmt_ms(r.get('wait_per_step_s')):>7} "
+                     f"{fmt_ms(r.get('work_per_step_s')):>7} {fmt_ms(r.get('wait_per_step_s')):>7} "
                      f"{(r['items_per_step'] or 0):>8.1f} {(r.get('requests_per_add_call') or 0):>7.1f} {r['tokens'] / max(r['token_events'], 1):>6.2f} {100 * r['client_cpu']:>5.0f}%"
                      f"{'!' if r['client_bound'] else ' '}{r['errors'] + r['incomplete']:>4}  {busiest}")
     lines.append("  (ms; ITL = a stream's mean gap between tokens; gap = every gap between two token events; "
                  "engine = the in-process engine on the same trace; ratio = served / engine tok/s; step* = the "
-                 "modelled decode step at that batch; host/st, wait/st = the engine core's time per step working and waiting for the workers; items/st = engine->HTTP Ray messages per step (token events per "
+                 "modelled decode step at that batch; work/st, wait/st = the engine core's time per step working and waiting for the workers; items/st = engine->HTTP Ray messages per step (token events per "
                  "step for a per-token server); req/add = requests per Ray call that queued them (a burst shares one); tok/ev = tokens per SSE event (> 1: lagging streams got several at once); client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit)")
     idle = cfg.get("idle") or []
     lines.append("idle CPU per process (% of one core): " + ", ".join(
