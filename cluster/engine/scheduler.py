@@ -299,14 +299,7 @@ class Scheduler:
         queue, in admission order."""
         lost = set(request_ids)
         for seq in reversed([s for s in self.running if s.request_id in lost]):
-            self.running.remove(seq)
-            seq.status = "waiting"
-            seq.on_workers = False
-            seq.unsent_block_ids = None
-            seq.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.appendleft(seq)
-            self._forget.append(seq.request_id)
+            self._back_to_waiting(seq)
 
     def host_tier_lost(self) -> list[str]:
         """The workers' host memory is gone (they restarted): every copy failed, including those not sent."""
@@ -506,6 +499,10 @@ class Scheduler:
     # -- internals -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
         self.manager.preempt(seq.req)
+        self._back_to_waiting(seq)
+
+    def _back_to_waiting(self, seq: Sequence) -> None:
+        """A preempted request (its blocks released) to the head of the queue; the workers drop its mirror."""
         self.running.remove(seq)
         seq.status = "waiting"
         seq.on_workers = False
