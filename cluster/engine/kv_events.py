@@ -118,11 +118,15 @@ class EventPublisher:
                medium: str = MEDIUM) -> None:
         self._known[medium][group][block_hash] = (parent, index, array("q", token_ids))
         last = self._pending[-1] if self._pending else None
-        if (last is not None and last["type"] == "BlockStored" and last["group_idx"] == group
-                and last["medium"] == medium and last["block_hashes"][-1] == parent
-                and last["block_index"] + len(last["block_hashes"]) == index):
+        same = (last is not None and last["type"] == "BlockStored" and last["group_idx"] == group
+                and last["medium"] == medium)
+        if same and last["block_hashes"][-1] == parent and last["block_index"] + len(last["block_hashes"]) == index:
             last["block_hashes"].append(block_hash)     # the next block of the same request
             last["token_ids"] += token_ids
+        elif same and index >= 0 and last["parent_block_hash"] == block_hash and last["block_index"] == index + 1:
+            last["block_hashes"].insert(0, block_hash)  # the block before (host stores are fenced tail first)
+            last["token_ids"][:0] = token_ids
+            last["parent_block_hash"], last["block_index"] = parent, index
         else:
             self._pending.append(self._stored(group, [block_hash], parent, index, list(token_ids), medium))
 
