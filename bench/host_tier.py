@@ -161,9 +161,7 @@ def hit_rates(args) -> None:
             + " ".join(f"{'full ' + str(f) + 'x':>8}" for f in FACTORS) + f" {'aware ws':>8} "
             + " ".join(f"{'ws ' + str(f) + 'x':>7}" for f in FACTORS) + f" {'s':>5}")
     print(head, flush=True)
-    met = {"aware": [0, 0], "as-full": [0, 0]}       # [within NEAR, cells whose host holds the working set]
-    gaps = {"aware": [], "as-full": []}
-    wins = [0, 0, 0]                                  # aware > as-full, equal, lower (every tier cell)
+    rows = []
     for draw in draw_settings(seed, args.draws):
         for family in args.families:
             workload = FAMILIES[family](draw.workload_seed)
@@ -189,25 +187,48 @@ def hit_rates(args) -> None:
                     adapter = HostTierAdapter(windows, num_blocks, whole, units=units)   # exactly the working set
                     rates.append(serve(workload, adapter, **kw)["hit_rate"])
                     ws = [f * device_units / whole for f in FACTORS]
-                    for name, got, at in (("aware", rates[1:4] + rates[7:8], ws + [1.0]),
-                                          ("as-full", rates[4:7], ws)):
-                        for r, w in zip(got, at):
-                            if w >= 1:
-                                met[name][1] += 1
-                                met[name][0] += top - r <= NEAR
-                                gaps[name].append(top - r)
-                    for a, b in zip(rates[1:4], rates[4:7]):
-                        wins[0 if a > b + 1e-9 else 1 if abs(a - b) <= 1e-9 else 2] += 1
+                    rows.append((top, rates, ws))
                     print(f"{draw.index:>4} {draw.window if layout == 'hybrid' else '-':>5} {draw.concurrency:>4} "
                           f"{draw.chunk:>5} {family:<8} {layout:<7} {pool:>5} {top:>7.3f} {rates[0]:>7.3f} "
                           + " ".join(f"{r:>9.3f}" for r in rates[1:4]) + " "
                           + " ".join(f"{r:>8.3f}" for r in rates[4:7]) + f" {rates[7]:>8.3f} "
                           + " ".join(f"{w:>7.2f}" for w in ws) + f" {time.process_time() - t0:>5.0f}", flush=True)
+    summarize(rows)
+
+
+def summarize(rows) -> None:
+    """The done criterion as a count, and window-aware against as-full, over rows (ceiling, the 8 rates as
+    printed, the 3 ws ratios)."""
+    met = {"aware": [0, 0], "as-full": [0, 0]}       # [within NEAR, cells whose host holds the working set]
+    gaps = {"aware": [], "as-full": []}
+    wins = [0, 0, 0]                                  # aware > as-full, equal, lower (every tier cell)
+    for top, rates, ws in rows:
+        for name, got, at in (("aware", rates[1:4] + rates[7:8], list(ws) + [1.0]), ("as-full", rates[4:7], ws)):
+            for r, w in zip(got, at):
+                if w >= 1:
+                    met[name][1] += 1
+                    met[name][0] += round(top - r, 3) <= NEAR
+                    gaps[name].append(top - r)
+        for a, b in zip(rates[1:4], rates[4:7]):
+            wins[0 if a > b + 1e-9 else 1 if abs(a - b) <= 1e-9 else 2] += 1
+    print(f"{len(rows)} rows")
     for name in ("aware", "as-full"):
         g = gaps[name]
         print(f"{name}: {met[name][0]} of {met[name][1]} cells whose host holds the working set are within "
               f"{NEAR} of the ceiling" + (f" (largest gap {max(g):.3f})" if g else ""))
     print(f"window-aware vs as-full, every tier cell: higher {wins[0]}, equal {wins[1]}, lower {wins[2]}")
+
+
+def report_from(paths) -> None:
+    """The counts again from printed tables (several runs' rows together)."""
+    rows = []
+    for path in paths:
+        for line in open(path):
+            f = line.split()
+            if len(f) == 20 and f[0].isdigit():
+                nums = [float(x) for x in f[7:19]]
+                rows.append((nums[0], nums[1:9], nums[9:12]))
+    summarize(rows)
 
 
 def main() -> None:
@@ -217,7 +238,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--families", type=lambda s: s.split(","), default=["chat", "agent", "rag", "edit"])
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=list(HIT_LAYOUTS))
+    ap.add_argument("--report-from", type=lambda s: s.split(","), help="printed --hit-rates tables: count again")
     args = ap.parse_args()
+    if args.report_from:
+        return report_from(args.report_from)
     if args.hit_rates:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         return hit_rates(args)
