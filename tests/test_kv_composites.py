@@ -166,7 +166,7 @@ def test_compositions_travel_to_workers_as_runs_of_consecutive_units_whatever_th
     assert made == [(0, 1, tuple(range(1, 27))), (0, 27, tuple(range(27, 53))),
                     (1, 53, (53, 54, 55, 56, 57)), (1, 58, (58, 59, 60, 61, 62))]
     step = StepInput(7, [], [], made + [(1, 3, (3, 9, 10, 11, 2))])     # one scattered composite too
-    _, _, _, wired = msgpack.unpackb(encode_step(step))
+    _, _, _, wired, _, _ = msgpack.unpackb(encode_step(step))   # then stores, loads
     assert wired == [[0, 1, [1, 26]], [0, 27, [27, 26]], [1, 53, [53, 5]], [1, 58, [58, 5]],
                      [1, 3, [3, 1, 9, 3, 2, 1]]]
     assert decode_step(encode_step(step)).compositions == step.compositions

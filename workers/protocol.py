@@ -28,6 +28,14 @@ by the last row of the chunk before it, which the last stage keeps until that to
 position from 1 on is scored, however the prompt is chunked, provided the prompt is computed from
 position 0 (the engine takes no prefix-cache hit for such a request until its positions are all scored).
 
+Host-tier copies (``kvmanager/host_tier.py``): a step may carry ``kv_stores`` (group, device block, host
+units: copy the block's units, as composed, to those host units) and ``kv_loads`` (group, host units,
+device block: the reverse), which every worker runs for its own layers after the step's compositions and
+before its compute (which reads neither: a store's source is pinned, a load's request is not computed
+until its load is reported). The last stage reports each by its device block id in
+``StepOutput.transfers_done`` or ``transfers_failed`` (a load from host units this worker never stored
+since it started: its host memory was lost), as ``KVCacheManager.transfers_done`` takes them.
+
 Faults are reported per request where they can be: a chunk a worker refuses raises ``RequestError``
 naming its request before anything changes (the engine fails that request and runs the rest of the step
 again); a row that cannot be sampled (NaN logits) lands in ``StepOutput.failed`` and the step stands.
@@ -133,6 +141,10 @@ class StepInput:
     # (group, block_id, units) per composite made since the last step, in order: block ``block_id`` of
     # ``group`` now spans ``units`` (block_id first). Applied before the step; later entries win.
     compositions: list = field(default_factory=list)
+    # Host-tier copies to run before the step's compute (module doc): (group, device block, host units)
+    # per store, (group, host units, device block) per load.
+    kv_stores: list = field(default_factory=list)
+    kv_loads: list = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +161,8 @@ class StepOutput:
     # with prompt_logprobs (module doc)
     prompt_logprobs: dict[str, tuple[int, list[float], list[list[int]], list[list[float]], list[int]]] = \
         field(default_factory=dict)
+    transfers_done: list[int] = field(default_factory=list)     # device block ids of the step's copies that ran
+    transfers_failed: list[int] = field(default_factory=list)   # ... that could not (module doc)
 
 
 class RequestError(ValueError):
@@ -202,6 +216,42 @@ def check_compositions(compositions, widths, num_blocks: int) -> dict[int, dict[
             raise ValueError(f"composition {item!r}: a composite is named by its first unit, {units[0]}")
         out.setdefault(g, {})[block_id] = list(units)
     return out
+
+
+def check_transfers(stores, loads, widths, num_blocks: int, num_host_units: int) -> None:
+    """The step's host-tier copies well formed: lists of triples, a known group, a real device block
+    (``[1, num_blocks)``) and ``widths[group]`` distinct host units in ``[0, num_host_units)`` each; one
+    copy per device block and no host unit twice in one step. Whether a wide group's block is a named
+    composite is the worker's check (it knows the compositions)."""
+    if not stores and not loads:
+        return
+    if num_host_units == 0:
+        raise ValueError("the step carries host-tier copies, but this worker has no host KV pool "
+                         "(num_host_blocks=0)")
+    blocks: set = set()
+    units: set = set()
+    for name, items, at in (("kv_stores", stores, (1, 2)), ("kv_loads", loads, (2, 1))):
+        if not isinstance(items, list):
+            raise ValueError(f"{name} must be a list, got {type(items).__name__}")
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise ValueError(f"{name}: a copy must be a (group, ...) triple, got {item!r}")
+            g, block, host = item[0], item[at[0]], item[at[1]]
+            if not is_int(g) or not 0 <= g < len(widths):
+                raise ValueError(f"{name}: copy {item!r}: group must be an integer in [0, {len(widths)})")
+            if not is_int(block) or not 0 < block < num_blocks:
+                raise ValueError(f"{name}: copy {item!r}: the device block must be an integer in [1, {num_blocks})")
+            if not isinstance(host, (list, tuple)) or len(host) != widths[g] \
+                    or not all(is_int(u) and 0 <= u < num_host_units for u in host) or len(set(host)) != len(host):
+                raise ValueError(f"{name}: copy {item!r}: group {g} needs {widths[g]} distinct host units in "
+                                 f"[0, {num_host_units})")
+            if block in blocks:
+                raise ValueError(f"{name}: copy {item!r}: device block {block} has two copies in one step")
+            if units.intersection(host):
+                raise ValueError(f"{name}: copy {item!r}: host units {sorted(units.intersection(host))} are in "
+                                 f"two copies of one step")
+            blocks.add(block)
+            units.update(host)
 
 
 def check_chunk_fields(chunk: ScheduledChunk, step_id: int, seen: set[str], num_groups: int, num_blocks: int,

@@ -4,7 +4,8 @@ A prefix hit on a sliding group starts a table with many null entries; sending t
 keeps a step's payload proportional to the real blocks it adds. Compositions (the units of composites made
 since the last step) travel once each, ahead of the tables, their units as runs of consecutive ids
 (``[first, count, ...]``): a composite of never-used units is one run whatever its width, so the bytes
-do not grow with the number of layers of a kind. A chunk's ``RequestStart`` (sampling spec,
+do not grow with the number of layers of a kind. Host-tier copies travel the same way: a store as
+``[group, device block, host runs]``, a load as ``[group, host runs, device block]``. A chunk's ``RequestStart`` (sampling spec,
 prompt length, seen tokens) is a nil on every chunk but a request's first on the workers.
 
 Prompt logprobs come back as packed little-endian arrays (float32 logprobs, int32 top ids, float32 top
@@ -69,7 +70,9 @@ def encode_step(step: StepInput) -> bytes:
     chunks = [_chunk_fields(c) for c in step.chunks]
     compositions = [(g, block_id, _pack_runs(units)) for g, block_id, units in step.compositions]
     try:
-        return msgpack.packb([step.step_id, chunks, step.forget, compositions])
+        stores = [(g, block, _pack_runs(host)) for g, block, host in step.kv_stores]
+        loads = [(g, _pack_runs(host), block) for g, host, block in step.kv_loads]
+        return msgpack.packb([step.step_id, chunks, step.forget, compositions, stores, loads])
     except (OverflowError, TypeError, ValueError) as exc:
         for c, packed in zip(step.chunks, chunks):   # rare: find the culprit, chunk by chunk
             try:
@@ -81,12 +84,14 @@ def encode_step(step: StepInput) -> bytes:
 
 
 def decode_step(payload: bytes) -> StepInput:
-    step_id, chunks, forget, compositions = msgpack.unpackb(payload)
+    step_id, chunks, forget, compositions, stores, loads = msgpack.unpackb(payload)
     return StepInput(step_id, [
         ScheduledChunk(rid, tokens, start, [[NULL_BLOCK_ID] * nulls + ids for nulls, ids in groups], sample,
                        _unpack_start(first), fed)
         for rid, tokens, start, groups, sample, first, fed in chunks], forget,
-        [(g, block_id, _unpack_runs(runs)) for g, block_id, runs in compositions])
+        [(g, block_id, _unpack_runs(runs)) for g, block_id, runs in compositions],
+        [(g, block, _unpack_runs(runs)) for g, block, runs in stores],
+        [(g, _unpack_runs(runs), block) for g, runs, block in loads])
 
 
 def _pack_prompt_logprobs(entry) -> list:
@@ -106,10 +111,10 @@ def _unpack_prompt_logprobs(packed) -> tuple:
 def encode_output(out: StepOutput) -> bytes:
     prompt = {rid: _pack_prompt_logprobs(e) for rid, e in out.prompt_logprobs.items()}
     return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s, out.logprobs, out.failed,
-                          out.device_time_s, prompt])
+                          out.device_time_s, prompt, out.transfers_done, out.transfers_failed])
 
 
 def decode_output(payload: bytes) -> StepOutput:
-    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s, prompt = msgpack.unpackb(payload)
+    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s, prompt, done, lost = msgpack.unpackb(payload)
     return StepOutput(step_id, sampled, simulated_time_s, {rid: tuple(entry) for rid, entry in logprobs.items()},
-                      failed, device_time_s, {rid: _unpack_prompt_logprobs(e) for rid, e in prompt.items()})
+                      failed, device_time_s, {rid: _unpack_prompt_logprobs(e) for rid, e in prompt.items()}, done, lost)

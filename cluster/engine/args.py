@@ -31,6 +31,8 @@ class EngineArgs:
     block_size: int = _arg(16, "tokens per KV block")
     num_blocks: int | None = _arg(None, "KV pool size (default: from memory)")
     kv_cache_memory: int | None = _arg(None, "KV memory per device, e.g. 2GiB", size=True)
+    kv_host_memory: int | None = _arg(None, "host memory for the host KV tier, this replica's workers together, "
+                                            "e.g. 8GiB (pinned on GPUs; default: no host tier)", size=True)
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
     max_num_batched_tokens: int = _arg(512, "tokens computed per engine step (the chunked-prefill budget)")
     max_num_seqs: int = _arg(256, "requests running at once")
@@ -40,6 +42,7 @@ class EngineArgs:
     spread_stages: bool = _arg(False, "place pipeline stages on different nodes")
     simulated_gpu: str | None = _arg(None, "serve a preset with simulated workers timed as on this GPU "
                                            "(e.g. H100-80GB)")
+    num_host_blocks: int | None = None     # host-tier units directly (tests, benches); instead of kv_host_memory
     num_cpus_per_worker: float = 1.0
     seed: int = 0                          # the workers' sampling seed for unseeded requests
     sleep_factor: float = _arg(0.0, "with --simulated-gpu: the workers sleep the modelled step time x this "
@@ -60,10 +63,14 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_num_batched_tokens",
                      "max_num_seqs"):
             check_int(name, getattr(self, name), 1)
-        for name, low in (("num_blocks", 2), ("kv_cache_memory", 1), ("max_model_len", 1)):
+        for name, low in (("num_blocks", 2), ("kv_cache_memory", 1), ("kv_host_memory", 0), ("max_model_len", 1)):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low)
         check_int("seed", self.seed)
+        if self.num_host_blocks is not None:
+            check_int("num_host_blocks", self.num_host_blocks, 0)
+            if self.kv_host_memory:
+                raise ValueError("give kv_host_memory or num_host_blocks, not both")
         for name in ("enable_prefix_caching", "spread_stages", "sliding_as_full", "async_scheduling", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

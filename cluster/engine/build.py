@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmanager.checks import is_int
-from kvmanager.planning import as_full_attention, kv_layout, split_stages
+from kvmanager.planning import KVLayout, as_full_attention, kv_layout, split_stages
 
 from .args import EngineArgs
 from .engine import Engine, EngineConfig
@@ -79,16 +79,21 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
-    stage_kwargs = [dict(plan["common"], **extra, block_size=args.block_size, num_blocks=num_blocks)
-                    for extra in plan["per_stage"]]
+    ranks = 1 if args.simulated_gpu else tp     # workers per stage
+    num_host_blocks, host_block_bytes = host_tier_size(layout, args.kv_host_memory or 0, tp)
+    if args.num_host_blocks is not None:
+        num_host_blocks = args.num_host_blocks
+    stage_kwargs = [dict(plan["common"], **extra, block_size=args.block_size, num_blocks=num_blocks,
+                         num_host_blocks=num_host_blocks) for extra in plan["per_stage"]]
     if not args.simulated_gpu:
         for kw in stage_kwargs:
             kw["layout"] = layout
-    executor = executor_cls.create(stage_kwargs, args, 1 if args.simulated_gpu else tp, **(executor_options or {}))
+    executor = executor_cls.create(stage_kwargs, args, ranks, **(executor_options or {}))
     engine = Engine(executor, layout.group_specs, num_blocks,
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
-                                 vocab_size=plan["vocab_size"], async_scheduling=args.async_scheduling),
+                                 vocab_size=plan["vocab_size"], async_scheduling=args.async_scheduling,
+                                 num_host_blocks=num_host_blocks, host_block_bytes=host_block_bytes),
                     group_widths=layout.group_widths)
     model = plan["model"]
     path = model if isinstance(model, str) else type(model).__name__
@@ -99,8 +104,31 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
             "vocab_size": plan["vocab_size"], "eos_token_ids": list(plan["eos"]),
             "sliding_as_full": args.sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_groups": group_metadata(layout.group_specs)}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_groups": group_metadata(layout.group_specs),
+            "num_host_blocks": num_host_blocks, "kv_host_memory_bytes": args.kv_host_memory or 0}
     return engine, info
+
+
+def host_unit_bytes(layout: KVLayout, tensor_parallel_size: int) -> int:
+    """Host bytes one host unit takes: a pool unit's pages on every stage and tensor-parallel rank (each
+    worker keeps its own layers' share, as on the device)."""
+    return sum(s.block_bytes for s in layout.stages) * tensor_parallel_size
+
+
+def host_tier_size(layout: KVLayout, kv_host_memory: int, tensor_parallel_size: int) -> tuple[int, tuple[int, ...]]:
+    """Host units that fit ``kv_host_memory`` bytes (0: no tier), and per group the bytes one of its
+    blocks moves between tiers (every worker's share together). ValueError if not one block fits."""
+    per_unit = host_unit_bytes(layout, tensor_parallel_size)
+    sizes = tuple(w * sum(s.layers_per_group for s in layout.stages) * spec.page_size_bytes * tensor_parallel_size
+                  for spec, w in zip(layout.group_specs, layout.group_widths))
+    if not kv_host_memory:
+        return 0, sizes
+    units, widest = kv_host_memory // per_unit, max(layout.group_widths)
+    if units < widest:
+        raise ValueError(f"kv_host_memory={kv_host_memory} bytes holds {units} host units of {per_unit} bytes (every "
+                         f"worker's share together); one block of the widest group takes {widest}: give at least "
+                         f"{widest * per_unit} bytes, or 0 for no host tier")
+    return units, sizes
 
 
 def _simulated_plan(args: EngineArgs) -> dict:

@@ -21,6 +21,14 @@ launch, before anything changed) is launched again without that request, as in t
 any other failure of a launch or a collect loses both steps on the device: their requests are blamed,
 the workers restart and everything running recomputes. While requests are under suspicion the engine
 runs one step at a time.
+
+Host tier (``EngineConfig.num_host_blocks``): each step carries the copies the manager scheduled; each
+output's reports go to ``transfers_done``, whose failed loads requeue their requests; a worker restart
+loses the workers' host memory (``Scheduler.host_tier_lost``) before everything recomputes. With
+asynchronous scheduling a step's copies are reported when it is collected, after the next step was
+scheduled: a request loading in step N computes in step N+2 at the earliest, and a store's source block
+stays pinned one step longer. The copies of step N+1 run after step N's compute on the workers
+(``workers.runtime.host_pool``), so a block step N still reads is never overwritten by a load.
 """
 from __future__ import annotations
 
@@ -57,6 +65,8 @@ class EngineConfig:
     max_request_faults: int = 3            # unexplained step failures in a row before a request is failed
     vocab_size: int | None = None          # token ids must lie below it (checked before queueing)
     async_scheduling: bool = False         # schedule step N+1 while step N runs (executors with ``submit``)
+    num_host_blocks: int = 0               # host units of the host KV tier (0: none)
+    host_block_bytes: tuple[int, ...] = ()   # per group: bytes one of its blocks moves, all workers together
 
 
 @dataclass
@@ -73,6 +83,13 @@ class EngineMetrics:
     worker_restarts: int = 0
     recomputed_requests: int = 0
     finished: dict = field(default_factory=dict)   # finish reason -> count
+    host_blocks_stored: int = 0                   # host-tier copies the workers reported done, per direction
+    host_blocks_loaded: int = 0
+    host_bytes_stored: int = 0
+    host_bytes_loaded: int = 0
+    host_load_failures: int = 0                   # requests whose loads from host failed (they recompute)
+    host_load_latency_s: float = 0.0              # per request loaded: from its step's scheduling to the report
+    host_loads_completed: int = 0                 # requests whose loads all completed
 
 
 class Engine:
@@ -83,7 +100,8 @@ class Engine:
         self.executor = executor
         self.manager = KVCacheManager(group_specs, num_blocks=num_blocks,
                                       enable_prefix_caching=self.config.enable_prefix_caching,
-                                      max_model_len=self.config.max_model_len, widths=group_widths)
+                                      max_model_len=self.config.max_model_len, widths=group_widths,
+                                      num_host_blocks=self.config.num_host_blocks)
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
         self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
@@ -203,7 +221,7 @@ class Engine:
     # (``EngineCore`` applies every other caller's commands between steps).
     def schedule(self) -> StepPlan | None:
         plan = self.scheduler.schedule()
-        if not plan.step.chunks:
+        if not (plan.step.chunks or plan.step.kv_stores or plan.step.kv_loads):
             return None
         plan.started = time.perf_counter()
         return plan
@@ -212,6 +230,8 @@ class Engine:
         dt = time.perf_counter() - plan.started
         if not plan.launched:
             self.scheduler.launched(plan)
+        if output.transfers_done or output.transfers_failed:
+            self._transfers_done(plan, output)
         updates = self.scheduler.update(plan, output)
         m = self.metrics
         m.steps += 1
@@ -223,6 +243,28 @@ class Engine:
         m.device_time_s += getattr(output, "device_time_s", 0.0)
         self._count(updates)
         return updates
+
+    def _transfers_done(self, plan: StepPlan, output) -> None:
+        """Fence the step's copies; requeue the requests whose loads failed; count what moved."""
+        lost = self.manager.transfers_done(output.transfers_done, output.transfers_failed)
+        self.scheduler.requeue(lost)
+        m, sizes = self.metrics, self.config.host_block_bytes
+        group = {block: g for g, block, _ in plan.step.kv_stores}
+        loads = {block: g for g, _, block in plan.step.kv_loads}
+        for block in output.transfers_done:
+            if block in loads:
+                m.host_blocks_loaded += 1
+                m.host_bytes_loaded += sizes[loads[block]] if sizes else 0
+            else:
+                m.host_blocks_stored += 1
+                m.host_bytes_stored += sizes[group[block]] if sizes else 0
+        m.host_load_failures += len(lost)
+        now = time.perf_counter()
+        for seq in plan.loading:
+            rid = seq.request_id
+            if rid not in lost and seq.status == "running" and not self.manager.is_loading(rid):
+                m.host_loads_completed += 1
+                m.host_load_latency_s += now - plan.started
 
     def isolate(self, plan: StepPlan, exc: BaseException) -> SequenceUpdate | None:
         """If ``exc`` names one request of the step (``RequestError``), fail it and take its chunk out of
@@ -263,6 +305,7 @@ class Engine:
 
     def after_restart(self) -> None:
         self.metrics.worker_restarts += 1
+        self.metrics.host_load_failures += len(self.scheduler.host_tier_lost())
         self.metrics.recomputed_requests += self.scheduler.recompute_all()
 
     def fail_all(self, message: str, error_type: str = "engine_unavailable") -> list[SequenceUpdate]:
@@ -312,5 +355,15 @@ class Engine:
             "worker_restarts": m.worker_restarts,
             "recomputed_requests": m.recomputed_requests,
             "finished": dict(m.finished),
+            "kv_host_blocks": self.config.num_host_blocks,
+            "kv_host_blocks_stored": m.host_blocks_stored,
+            "kv_host_blocks_loaded": m.host_blocks_loaded,
+            "kv_host_bytes_stored": m.host_bytes_stored,
+            "kv_host_bytes_loaded": m.host_bytes_loaded,
+            "kv_host_hit_requests": s.host_hit_requests,
+            "kv_host_hit_tokens": s.host_hit_tokens,
+            "kv_host_load_failures": m.host_load_failures,
+            "kv_host_load_latency_s_sum": m.host_load_latency_s,
+            "kv_host_loads_completed": m.host_loads_completed,
             "workers": list(getattr(self.executor, "worker_names", [])),   # Ray actor names, stage order
         }

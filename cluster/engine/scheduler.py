@@ -24,6 +24,14 @@ manager allows (it caches only blocks full of known tokens). ``update`` then app
 a request preempted meanwhile (its token is as valid as if it had arrived first), and a request that
 stopped on a token ends although its next chunk is already running: that chunk's result is dropped.
 
+Host tier (``kvmanager/host_tier.py``): a waiting request whose hit needs blocks loaded from host is
+admitted with its hit alone (no tokens: the manager caches a block once it is computed, and these are not
+yet) and computes nothing until its loads are reported (``is_loading``); its hit's table then goes to
+the workers with its first chunk. A load that fails preempts it in the manager; ``requeue`` puts it back
+at the head of the queue. Every step carries the copies the manager scheduled since the last one
+(``take_transfers``, taken early by ``has_work`` so that stores after the last request still go out); a
+step with copies and no chunk is sent too. Isolated suspects take no host hit (they run alone, plainly).
+
 Prompt logprobs (``SamplingParams.prompt_logprobs``): the workers score every prompt position a chunk
 computes (``workers/protocol.py``), so such a request takes no prefix-cache hit until all its positions
 are scored: a hit would leave the positions before it unscored. After a preemption it recomputes from
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
 from kvmanager.checks import check_int
+from kvmanager.host_tier import HostRef
 from kvmanager.planning import peak_blocks
 from workers.protocol import RequestStart, ScheduledChunk, StepInput, StepOutput
 
@@ -59,6 +68,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     pending: int = 0                      # tokens a launched step draws for it that ``update`` has not appended
     num_prompt_logprobs: int = 0          # prompt positions scored and delivered (1 .. this)
+    unsent_block_ids: list | None = None  # its hit's table, allocated while its loads run, for its first chunk
 
     @property
     def scoring(self) -> bool:
@@ -94,6 +104,7 @@ class StepPlan:
     preempted: int = 0
     started: float = 0.0
     launched: bool = False                # the workers accepted it (``Scheduler.launched``)
+    loading: list = field(default_factory=list)   # requests admitted with loads from host in this step
 
 
 def blocks_to_finish(specs, num_tokens: int, widths=None) -> int:
@@ -129,6 +140,10 @@ class Scheduler:
         self._suspects: set[str] = set()      # requests of a step that failed with nobody to blame
         self._step_id = 0
         self.num_preemptions = 0
+        self._stores: list = []               # host-tier copies taken from the manager, not yet sent
+        self._loads: list = []
+        self.host_hit_requests = 0            # admissions whose hit loaded blocks from host
+        self.host_hit_tokens = 0              # ... and the tokens of those hits
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -178,7 +193,15 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or host-tier copies to send."""
+        self._take_transfers()
+        return bool(self.waiting or self.running or self._stores or self._loads)
+
+    def _take_transfers(self) -> None:
+        t = self.manager.take_transfers()
+        if t:
+            self._stores += t.stores
+            self._loads += t.loads
 
     @property
     def prefill_backlog(self) -> int:
@@ -195,7 +218,7 @@ class Scheduler:
 
         if self._suspects:   # after a step failed with nobody to blame: its requests run one at a time
             seq = next(s for s in self.waiting if s.request_id in self._suspects)
-            budget -= self._admit(seq, budget, plan, preempt=True)
+            budget -= self._admit(seq, budget, plan, preempt=True) or 0
             return self._close(plan, budget)
 
         i = 0
@@ -203,6 +226,8 @@ class Scheduler:
             seq = self.running[i]
             req = seq.req
             i += 1
+            if seq.unsent_block_ids is not None and self.manager.is_loading(req.request_id):
+                continue   # its hit is still coming from host
             if seq.pending and self._ends_with_pending(seq):
                 continue   # the token in flight is its last: nothing more to compute
             if req.num_computed_tokens >= req.num_tokens + seq.pending:
@@ -215,17 +240,22 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not plan.preempted and len(self.running) < self.max_num_seqs:
             n = self._admit(self.waiting[0], budget, plan, preempt=False)
-            if not n:
+            if n is None:
                 break
             budget -= n
         return self._close(plan, budget)
 
-    def _admit(self, seq: Sequence, budget: int, plan: StepPlan, preempt: bool) -> int:
-        """Start a waiting request with its prefix hit and a first chunk; how many tokens it computes (0:
-        it does not fit). Alone, the chunk halves until it fits; ``preempt`` makes it alone if need be."""
+    def _admit(self, seq: Sequence, budget: int, plan: StepPlan, preempt: bool) -> int | None:
+        """Start a waiting request with its prefix hit and a first chunk; how many tokens it computes (None:
+        it does not fit; 0: its hit loads from host first). Alone, the chunk halves until it fits;
+        ``preempt`` makes it alone if need be (and takes no hit from host)."""
         mgr, req = self.manager, seq.req
         while True:
             hit, num_hit = mgr.get_computed_blocks(req) if not seq.scoring else (None, 0)
+            if num_hit and any(type(b) is HostRef for blocks in hit for b in blocks):
+                if not preempt:
+                    return self._admit_loading(seq, hit, num_hit, plan)
+                hit, num_hit = None, 0
             n = min(req.num_tokens - num_hit, budget)
             new = mgr.allocate_slots(req, n, num_hit, hit)
             while new is None and not self.running and n > 1:
@@ -234,7 +264,7 @@ class Scheduler:
             if new is not None:
                 break
             if not (preempt and self.running):
-                return 0
+                return None
             self._preempt(self.running[-1])
             plan.preempted += 1
         self.waiting.remove(seq)
@@ -246,13 +276,56 @@ class Scheduler:
         self._add_chunk(plan, seq, req.num_computed_tokens, n, new)
         return n
 
+    def _admit_loading(self, seq: Sequence, hit, num_hit: int, plan: StepPlan) -> int | None:
+        """Admit a request with its hit alone: its blocks on host load during this step (0 tokens)."""
+        req = seq.req
+        new = self.manager.allocate_slots(req, 0, num_hit, hit)
+        if new is None:
+            return None
+        self.waiting.remove(seq)
+        req.num_computed_tokens += num_hit
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_hit
+        seq.status = "running"
+        seq.unsent_block_ids = [list(ids) for ids in new]
+        self.running.append(seq)
+        plan.loading.append(seq)
+        self.host_hit_requests += 1
+        self.host_hit_tokens += num_hit
+        return 0
+
+    def requeue(self, request_ids) -> None:
+        """The manager preempted these requests (their loads from host failed): back to the head of the
+        queue, in admission order."""
+        lost = set(request_ids)
+        for seq in reversed([s for s in self.running if s.request_id in lost]):
+            self.running.remove(seq)
+            seq.status = "waiting"
+            seq.on_workers = False
+            seq.unsent_block_ids = None
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(seq)
+            self._forget.append(seq.request_id)
+
+    def host_tier_lost(self) -> list[str]:
+        """The workers' host memory is gone (they restarted): every copy failed, including those not sent."""
+        lost = self.manager.host_tier_lost()
+        self.manager.take_transfers()
+        self._stores, self._loads = [], []
+        self.requeue(lost)
+        return lost
+
     def _close(self, plan: StepPlan, budget: int) -> StepPlan:
-        if plan.step.chunks:  # otherwise nothing is sent: keep the mirrors to drop for the next step
+        self._take_transfers()
+        if plan.step.chunks or self._stores or self._loads:   # otherwise nothing is sent: keep the mirrors
             # Only mirrors the workers hold: a request that failed before its first chunk ran has none.
             forget = list(dict.fromkeys(r for r in self._forget if r in self._mirrored))
             self._mirrored.difference_update(forget)
             plan.step.forget, self._forget = forget, []
             plan.step.compositions = self.manager.pop_compositions()
+            plan.step.kv_stores, plan.step.kv_loads = self._stores, self._loads
+            self._stores, self._loads = [], []
         plan.num_tokens = self.max_num_batched_tokens - budget
         return plan
 
@@ -293,6 +366,9 @@ class Scheduler:
             first = RequestStart(spec, num_prompt, seen)
             seq.on_workers = True
         fed = start + n > req.num_tokens   # the token a launched step is drawing (n == 1: see module doc)
+        if seq.unsent_block_ids is not None:   # its first chunk after loading its hit: the whole table
+            new_block_ids = [hit + list(ids) for hit, ids in zip(seq.unsent_block_ids, new_block_ids)]
+            seq.unsent_block_ids = None
         plan.step.chunks.append(ScheduledChunk(
             request_id=req.request_id, token_ids=[0] if fed else req.all_token_ids[start:start + n], start_pos=start,
             new_block_ids=list(new_block_ids), sample=start + n == req.num_tokens + seq.pending and seq.params.max_tokens != 0,
@@ -433,6 +509,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = "waiting"
         seq.on_workers = False
+        seq.unsent_block_ids = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

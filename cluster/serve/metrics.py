@@ -20,6 +20,21 @@ _METRICS = (
     ("swakv_delta_bytes_total", "delta_bytes", "counter", "Encoded block-table delta bytes sent to workers."),
     ("swakv_worker_restarts_total", "worker_restarts", "counter", "Worker-group restarts after a failure."),
     ("swakv_recomputed_requests_total", "recomputed_requests", "counter", "Requests recomputed after a restart."),
+    ("swakv_kv_host_blocks", "kv_host_blocks", "gauge", "Host KV tier size in host units (0: no host tier)."),
+    ("swakv_kv_host_blocks_stored_total", "kv_host_blocks_stored", "counter",
+     "KV blocks copied from device to the host tier (copies reported done)."),
+    ("swakv_kv_host_blocks_loaded_total", "kv_host_blocks_loaded", "counter",
+     "KV blocks copied from the host tier back to device (copies reported done)."),
+    ("swakv_kv_host_bytes_stored_total", "kv_host_bytes_stored", "counter",
+     "Bytes copied from device to the host tier, all workers together."),
+    ("swakv_kv_host_bytes_loaded_total", "kv_host_bytes_loaded", "counter",
+     "Bytes copied from the host tier to device, all workers together."),
+    ("swakv_kv_host_hit_requests_total", "kv_host_hit_requests", "counter",
+     "Requests admitted with a prefix hit that loads blocks from the host tier."),
+    ("swakv_kv_host_hit_tokens_total", "kv_host_hit_tokens", "counter",
+     "Prefix-hit tokens of the requests whose hit loads blocks from the host tier."),
+    ("swakv_kv_host_load_failures_total", "kv_host_load_failures", "counter",
+     "Requests whose loads from the host tier failed (host memory lost); they recompute."),
     ("swakv_stream_records_total", "stream_records", "counter",
      "Records sent to HTTP frontends' subscriptions (one Ray message each, one per step per frontend at most)."),
 )
@@ -42,6 +57,14 @@ def prometheus_text(per_replica: dict[int, dict | None], replicas: ReplicaSet | 
         samples = [(f'{{replica="{r}"}}', st[key]) for r, st in live if key in st]
         if samples:
             family(name, kind, help_, samples)
+    latency = [(r, st) for r, st in live if "kv_host_load_latency_s_sum" in st]
+    if latency:
+        name = "swakv_kv_host_load_latency_seconds"
+        lines.extend((f"# HELP {name} Per request loading from the host tier: from the scheduling of the step "
+                      "carrying its loads to their report.", f"# TYPE {name} summary"))
+        for r, st in latency:
+            lines.append(f'{name}_sum{{replica="{r}"}} {float(st["kv_host_load_latency_s_sum"])!r}')
+            lines.append(f'{name}_count{{replica="{r}"}} {float(st["kv_host_loads_completed"])!r}')
     family("swakv_kv_cache_group_usage_ratio", "gauge", "Fraction of KV blocks held by each KV-cache group.",
            [(f'{{replica="{r}",group="{g}"}}', u) for r, st in live
             for g, u in enumerate(st.get("kv_usage_per_group", []))])

@@ -3,6 +3,8 @@
 The arithmetic is ``kvmanager.planning.capacity_report``'s; this module picks the model and the budget
 and prints the result. Without ``--kv-memory`` the budget per device is what the GPU leaves
 (``workers.sim.gpus.default_kv_memory``: memory less a 10% activation reserve, less the weights).
+With ``--kv-host-memory``, it also sizes the host KV tier (``cluster.engine.build.host_tier_size``): host
+units, and how many requests' whole KV at the context length the tier holds.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ DEFAULT_GPU = "H100-80GB"
 
 
 def plan(model, *, context: int, kv_memory: int | None = None, gpu=DEFAULT_GPU, block_size: int = 16,
-         tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, prefill_chunk: int = 512) -> dict:
+         tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, prefill_chunk: int = 512,
+         kv_host_memory: int | None = None) -> dict:
     """The capacity report for ``model`` (preset name, config.json path or preset) and its inputs."""
     from workers.models.layer_kinds import check_parallel_sizes
     from workers.sim.gpus import get_gpu
@@ -34,10 +37,21 @@ def plan(model, *, context: int, kv_memory: int | None = None, gpu=DEFAULT_GPU, 
     report = capacity_report(specs, kv_memory, context, prefill_chunk=prefill_chunk,
                              pipeline_parallel_size=pipeline_parallel_size, tensor_parallel_size=tensor_parallel_size)
     ratio = report.pop("concurrency_ratio")
+    if kv_host_memory:
+        from kvmanager.planning import as_full_attention, kv_layout
+
+        from cluster.engine.build import host_tier_size, host_unit_bytes
+        for label, layer_specs in (("window_aware", specs), ("sliding_as_full", as_full_attention(specs))):
+            layout = kv_layout(layer_specs, pipeline_parallel_size, tensor_parallel_size)
+            units, _ = host_tier_size(layout, kv_host_memory, tensor_parallel_size)
+            r = report[label]
+            r["host_unit_bytes"] = host_unit_bytes(layout, tensor_parallel_size)
+            r["num_host_blocks"] = units
+            r["host_requests"] = units // r["blocks_per_request"]
     return {"model": preset.name, "layers": describe_layers(specs), "gpu": device.name,
             "tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
             "block_size": block_size, "context": context, "prefill_chunk": min(prefill_chunk, context),
-            "kv_memory_bytes": kv_memory, "kv_memory_source": source,
+            "kv_memory_bytes": kv_memory, "kv_memory_source": source, "kv_host_memory_bytes": kv_host_memory,
             "activation_reserve": ACTIVATION_RESERVE if source == "derived" else None,
             "window_aware": report["window_aware"], "sliding_as_full": report["sliding_as_full"],
             "concurrency_ratio": None if ratio == float("inf") else ratio,
@@ -62,11 +76,16 @@ def format_plan(p: dict) -> str:
          lambda r: format_size(r["prefill_peak_kv_bytes_per_request"])),
         ("max concurrency, prefill peak", lambda r: f"{r['max_concurrency_prefill_peak']:,}"),
     ]
+    if p.get("kv_host_memory_bytes"):
+        rows += [("bytes per host unit (all devices)", lambda r: format_size(r["host_unit_bytes"])),
+                 ("host units", lambda r: f"{r['num_host_blocks']:,}"),
+                 ("requests the host tier holds", lambda r: f"{r['host_requests']:,}")]
     width = max(len(label) for label, _ in rows)
     lines = [f"swakv plan: {p['model']} on {p['gpu']}, TP={p['tensor_parallel_size']} "
              f"PP={p['pipeline_parallel_size']}, context {p['context']:,} tokens, block size {p['block_size']}",
              f"layers: {p['layers']}",
-             f"KV memory per device: {format_size(p['kv_memory_bytes'])} ({how})",
+             f"KV memory per device: {format_size(p['kv_memory_bytes'])} ({how})"
+             + (f"; host KV tier: {format_size(p['kv_host_memory_bytes'])}" if p.get("kv_host_memory_bytes") else ""),
              "",
              f"{'':<{width}}  {'window-aware':>16}  {'sliding-as-full':>16}",
              f"{'-' * width}  {'-' * 16}  {'-' * 16}"]
@@ -86,7 +105,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         result = plan(args.model, context=args.context, kv_memory=args.kv_memory, gpu=args.gpu,
                       block_size=args.block_size, tensor_parallel_size=args.tensor_parallel_size,
-                      pipeline_parallel_size=args.pipeline_parallel_size, prefill_chunk=args.prefill_chunk)
+                      pipeline_parallel_size=args.pipeline_parallel_size, prefill_chunk=args.prefill_chunk,
+                      kv_host_memory=args.kv_host_memory)
     except (ValueError, TypeError) as exc:
         print(f"swakv plan: error: {exc}", file=sys.stderr)
         return 2
@@ -108,6 +128,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-memory", type=size_arg, default=None,
                    help="KV-cache memory per device, e.g. 20GiB (default: the GPU's memory minus weights and a "
                         f"{ACTIVATION_RESERVE:.0%} activation reserve)")
+    p.add_argument("--kv-host-memory", type=size_arg, default=None,
+                   help="host memory for the host KV tier, all devices of a replica together, e.g. 64GiB "
+                        "(default: none)")
     p.add_argument("--context", type=positive_int, default=32768, help="tokens per request (default 32768)")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--gpu", default=DEFAULT_GPU, help=f"one of {', '.join(GPU_PRESETS)} (default {DEFAULT_GPU})")

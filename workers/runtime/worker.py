@@ -15,6 +15,10 @@ A group of width ``k > 1`` names each block by one id, a composite of ``k`` pool
 its units in a members tensor ``[num_blocks, k]`` on the device, updated from the step's compositions.
 Per step and group, one gather turns the composite table into ``k`` unit tables; the layer of member
 ``u`` and slot ``t`` reads and writes K/V tensor pair ``t`` through unit table ``u``.
+
+With ``num_host_blocks``, the worker keeps its share of the host KV tier (``workers.runtime.host_pool``)
+and runs each step's stores and loads after its compositions, before its compute; the last stage
+reports them in the step's output.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ from workers.runtime.model_runner import (PagedKV, StageModel, StepBatch, check_
                                   stage_range)
 from workers.runtime.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from workers.runtime.mirrors import BlockTableMirrors
-from workers.protocol import RequestError, StepInput, StepOutput, check_chunk_fields, check_compositions
+from workers.protocol import (RequestError, StepInput, StepOutput, check_chunk_fields, check_compositions,
+                              check_transfers)
+from workers.runtime.host_pool import HostKVPool
 from workers.runtime.sampling import Sampled, Sampler, to_device
 from workers.runtime.step_inputs import Inputs, Layout, StepInputs
 from workers.models.tiny_models import TINY_MODELS, build_tiny_model
@@ -73,6 +79,7 @@ class PendingStep:
     sampled: Sampled
     started: Any = None                # CUDA events around the step's device work (None on CPU)
     ended: Any = None
+    copies: tuple[list[int], list[int]] = ([], [])   # host-tier copies: device block ids (done, failed)
 
 
 class Worker:
@@ -81,13 +88,16 @@ class Worker:
     def __init__(self, model: Any, *, block_size: int, num_blocks: int, layers: tuple[int, int] | None = None,
                  layout: KVLayout | None = None, stage: int | None = None, seed: int = 0,
                  device: str | None = None, tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0,
-                 tensor_parallel_group=None, cuda_graphs: bool = False, graph_batch_sizes=BATCH_SIZES):
+                 tensor_parallel_group=None, cuda_graphs: bool = False, graph_batch_sizes=BATCH_SIZES,
+                 num_host_blocks: int = 0):
         """``layout``/``stage``: the engine's plan (``kvmanager.planning.kv_layout``); without them the
         worker derives the same plan from its own layer range (equal stages, as the engine splits).
         ``cuda_graphs``: replay decode-only steps of up to ``max(graph_batch_sizes)`` sequences from CUDA
-        graphs (a single stage without tensor parallelism); without CUDA the padded batch runs eagerly."""
+        graphs (a single stage without tensor parallelism); without CUDA the padded batch runs eagerly.
+        ``num_host_blocks``: host units of the host KV tier (0: none), this worker's layers' share of each."""
         model = load_hf_model(model, seed)
         check_int("num_blocks", num_blocks, 2, "block 0 is the null block")
+        check_int("num_host_blocks", num_host_blocks, 0)
         check_tensor_parallel(model, tensor_parallel_size, tensor_parallel_rank)
         config = model.config.get_text_config()
         specs = _layer_specs(model, block_size)
@@ -121,6 +131,7 @@ class Worker:
                           specs={i: specs[i] for i in held},
                           groups={i: slots[i][0] for i in held},
                           members={i: slots[i][1] for i in held})
+        self.host = HostKVPool(pairs, num_host_blocks, self.widths) if num_host_blocks else None
         self.mirrors = BlockTableMirrors(self.groups, block_size, self.widths)
         self.inputs = StepInputs(self.device, block_size, len(self.groups))
         # Per group wider than one unit: block id -> its units (row 0, the null block, stays all null).
@@ -129,6 +140,7 @@ class Worker:
         self.sampler = Sampler(self.vocab_size, self.device) if self.stage.is_last else None
         self._last_sampled: Sampled | None = None     # the draws fed chunks of the next step read
         self._prompt_plan = None                       # the prompt rows ``forward`` computed logits for
+        self._copies: tuple[list[int], list[int]] = ([], [])   # the last step's host-tier copies (done, failed)
         self.graphs = None
         if cuda_graphs and self.stage.is_first and self.stage.is_last and tensor_parallel_size == 1:
             self.graphs = DecodeGraphs(self._run_padded, self._padding, lambda: self.inputs.generation,
@@ -172,7 +184,7 @@ class Worker:
         self._last_sampled = sampled
         if ended is not None:
             ended.record()
-        return PendingStep(step.step_id, sampled, started, ended)
+        return PendingStep(step.step_id, sampled, started, ended, self._copies)
 
     def collect(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's draws (only its own) and report them."""
@@ -196,7 +208,8 @@ class Worker:
             pending.ended.synchronize()
             device_time_s = pending.started.elapsed_time(pending.ended) / 1e3
         return StepOutput(step_id=pending.step_id, sampled=sampled, logprobs=logprobs, failed=failed,
-                          device_time_s=device_time_s, prompt_logprobs=prompt_logprobs)
+                          device_time_s=device_time_s, prompt_logprobs=prompt_logprobs,
+                          transfers_done=pending.copies[0], transfers_failed=pending.copies[1])
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None,
                 feedback: Sampled | None = None) -> torch.Tensor:
@@ -210,6 +223,11 @@ class Worker:
             if self.sampler:
                 self.sampler.forget(request_id)
         self.mirrors.apply(updates, compositions)
+        self._copies = ([], [])
+        if self.host is not None:
+            self.host.compose(compositions)
+            self.host.before_compute()
+            self._copies = self.host.run(step.kv_stores, step.kv_loads)
         chunks = step.chunks
         rows = np.fromiter((self.mirrors.rows[c.request_id] for c in chunks), dtype=np.int64, count=len(chunks))
         key = None
@@ -251,6 +269,11 @@ class Worker:
         if not isinstance(step, StepInput):
             raise TypeError(f"step must be a StepInput, got {type(step).__name__}")
         compositions = check_compositions(step.compositions, self.widths, self.num_blocks)
+        check_transfers(step.kv_stores, step.kv_loads, self.widths, self.num_blocks,
+                        self.host.num_units if self.host is not None else 0)
+        unknown = self.host.unknown_blocks(step.kv_stores, step.kv_loads, compositions) if self.host else []
+        if unknown:
+            raise ValueError(f"host-tier copies name blocks no composition has named: {unknown} (group, block)")
         forget = list(step.forget)
         for request_id in forget:
             if request_id not in self.mirrors:

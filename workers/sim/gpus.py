@@ -14,6 +14,11 @@ from typing import Any
 
 ACTIVATION_RESERVE = 0.10
 _B = 10**9
+# Host <-> device copies (the host KV tier) reach about 86% of a PCIe link's one-way datasheet rate: 128b/130b
+# line coding and TLP/DLLP framing at 256-byte payloads leave about 90%, DMA setup the rest; NVIDIA's
+# nvbandwidth host_to_device_memcpy_ce is commonly reported at about 55 GB/s on PCIe Gen5 x16 H100s
+# (64 GB/s one way) and about 26 GB/s on Gen4 x16 A100s (32 GB/s).
+PCIE_EFFICIENCY = 0.86
 
 
 # --------------------------------------------------------------------------------------------------
@@ -31,22 +36,30 @@ class GpuPreset:
     interconnect_bytes_per_s: float
     interconnect: str
     source: str
+    host_link_bytes_per_s: float = 0.0   # effective host <-> device copy rate, one way (0: unknown)
 
 
 GPU_PRESETS: dict[str, GpuPreset] = {g.name: g for g in (
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: 80 GB HBM3, 3.35 TB/s; BF16 Tensor Core
     # 1,979 TFLOPS with sparsity -> 989.5 dense; NVLink 900 GB/s (both directions) -> 450 GB/s.
+    # Host link: PCIe Gen5 x16, 128 GB/s both directions -> 64 GB/s one way, x PCIE_EFFICIENCY.
     GpuPreset("H100-80GB", 80 * _B, 3.35e12, 989.5e12, 450e9, "NVLink 4 (SXM5)",
-              "NVIDIA H100 datasheet, SXM"),
+              "NVIDIA H100 datasheet, SXM", 64e9 * PCIE_EFFICIENCY),
     # NVIDIA H200 datasheet, H200 SXM: 141 GB HBM3e, 4.8 TB/s; BF16 1,979 TFLOPS sparse -> 989.5 dense;
     # NVLink 900 GB/s -> 450 GB/s one way.
-    GpuPreset("H200", 141 * _B, 4.8e12, 989.5e12, 450e9, "NVLink 4 (SXM)", "NVIDIA H200 datasheet, SXM"),
+    # Host link: PCIe Gen5 x16 (128 GB/s both directions) -> 64 GB/s one way, x PCIE_EFFICIENCY.
+    GpuPreset("H200", 141 * _B, 4.8e12, 989.5e12, 450e9, "NVLink 4 (SXM)", "NVIDIA H200 datasheet, SXM",
+              64e9 * PCIE_EFFICIENCY),
     # NVIDIA A100 datasheet, A100 80GB SXM: 80 GB HBM2e, 2,039 GB/s; BF16 Tensor Core 312 TFLOPS dense;
     # NVLink 600 GB/s -> 300 GB/s one way.
-    GpuPreset("A100-80GB", 80 * _B, 2.039e12, 312e12, 300e9, "NVLink 3 (SXM4)", "NVIDIA A100 datasheet, 80GB SXM"),
+    # Host link: PCIe Gen4 x16 (64 GB/s both directions) -> 32 GB/s one way, x PCIE_EFFICIENCY.
+    GpuPreset("A100-80GB", 80 * _B, 2.039e12, 312e12, 300e9, "NVLink 3 (SXM4)", "NVIDIA A100 datasheet, 80GB SXM",
+              32e9 * PCIE_EFFICIENCY),
     # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s; BF16 Tensor Core 362.05 TFLOPS dense (733 sparse);
     # no NVLink: PCIe Gen4 x16, 64 GB/s both directions -> 32 GB/s one way.
-    GpuPreset("L40S", 48 * _B, 864e9, 362.05e12, 32e9, "PCIe Gen4 x16", "NVIDIA L40S datasheet"),
+    # Host link: the same PCIe Gen4 x16, x PCIE_EFFICIENCY.
+    GpuPreset("L40S", 48 * _B, 864e9, 362.05e12, 32e9, "PCIe Gen4 x16", "NVIDIA L40S datasheet",
+              32e9 * PCIE_EFFICIENCY),
 )}
 
 

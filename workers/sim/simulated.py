@@ -15,6 +15,12 @@ names requests itself, so the id is no part of it); an unseeded request's hash t
 instead. Asked for logprobs (or prompt logprobs), it reports those of a uniform distribution (its tokens
 are not drawn from any model's). It takes the step's time from the roofline
 cost model (optionally sleeping it, scaled, so load tests feel real).
+
+Host-tier copies (``num_host_blocks``) are checked (well formed, a wide block a named composite, no load
+into a block or unit a live window reads) and charged at the GPU's host link rate: ``host_unit_bytes[g]``
+bytes per unit of group ``g`` on the most loaded device (every device copies its share at once). They run
+on a side stream beside the compute, and the next step waits for both, so the step takes the longer of
+the two. A load from host units no store filled since this worker started is reported failed.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from kvmanager.planning import as_full_attention, kv_layout
 from kvmanager.specs import AttentionSpec
 
 from workers.protocol import (GREEDY, RequestError, SamplingSpec, ScheduledChunk, StepInput, StepOutput,
-                              check_chunk_fields, check_compositions)
+                              check_chunk_fields, check_compositions, check_transfers)
 
 from .cost_model import StepCostModel
 from .presets import get_model_preset
@@ -47,7 +53,8 @@ class SimulatedWorker:
 
     def __init__(self, group_specs: Sequence[AttentionSpec], num_blocks: int, *, vocab_size: int,
                  widths: Sequence[int] | None = None, seed: int = 0, cost_model: StepCostModel | None = None,
-                 pipeline_stage: int | None = None, sleep_factor: float = 0.0):
+                 pipeline_stage: int | None = None, sleep_factor: float = 0.0, num_host_blocks: int = 0,
+                 host_unit_bytes: Sequence[int] | None = None):
         self.groups = list(group_specs)
         if not self.groups or not all(isinstance(s, AttentionSpec) for s in self.groups):
             raise ValueError(f"group_specs must be a non-empty list of attention specs, got {group_specs!r}")
@@ -59,6 +66,11 @@ class SimulatedWorker:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not is_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if not is_int(num_host_blocks) or num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
+        self.num_host_blocks = num_host_blocks
+        self.host_unit_bytes = tuple(host_unit_bytes) if host_unit_bytes is not None else (0,) * len(self.groups)
+        self._host_filled: set[int] = set()          # host units a store of this worker wrote
         if not is_number(sleep_factor) or sleep_factor < 0:
             raise ValueError(f"sleep_factor must be a finite number >= 0, got {sleep_factor!r}")
         if pipeline_stage is not None and (cost_model is None or not is_int(pipeline_stage)
@@ -92,8 +104,10 @@ class SimulatedWorker:
         layout = kv_layout(as_full_attention(specs) if sliding_as_full else specs, pipeline_parallel_size,
                            tensor_parallel_size)
         cost = StepCostModel(preset, gpu, tensor_parallel_size, pipeline_parallel_size)
+        unit_bytes = [max(s.layers_per_group for s in layout.stages) * spec.page_size_bytes
+                      for spec in layout.group_specs]
         return cls(layout.group_specs, num_blocks, vocab_size=preset.vocab_size, widths=layout.group_widths,
-                   cost_model=cost, **kwargs)
+                   cost_model=cost, host_unit_bytes=unit_bytes, **kwargs)
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -141,15 +155,36 @@ class SimulatedWorker:
                 prompt_logprobs[c.request_id] = (first, [uniform] * len(tokens),
                                                  [[(t + j) % self.vocab_size for j in range(top)] for t in tokens],
                                                  [[uniform] * top for _ in tokens], [1] * len(tokens))
-        seconds = 0.0
+        done, failed = self._copy(step)
+        seconds = own = self.copy_time_s(step)
         if self.cost_model is not None and step.chunks:
             cost = self.cost_model.step([(c.start_pos, len(c.token_ids)) for c in step.chunks])
-            seconds = cost.time_s
-            if self.sleep_factor:
-                own = seconds if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage)
-                time.sleep(own * self.sleep_factor)
+            seconds = max(seconds, cost.time_s)
+            own = max(own, cost.time_s if self.pipeline_stage is None else cost.stage_time_s(self.pipeline_stage))
+        if self.sleep_factor and own:
+            time.sleep(own * self.sleep_factor)
         return StepOutput(step_id=step.step_id, sampled=sampled, logprobs=logprobs, simulated_time_s=seconds,
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs, transfers_done=done, transfers_failed=failed)
+
+    def copy_time_s(self, step: StepInput) -> float:
+        """The step's host-tier copies at the GPU's host link rate (0 without a cost model)."""
+        if self.cost_model is None or not (step.kv_stores or step.kv_loads):
+            return 0.0
+        rate = self.cost_model.gpu.host_link_bytes_per_s
+        if not rate:
+            raise ValueError(f"GPU preset {self.cost_model.gpu.name} has no host link rate to time host-tier copies")
+        units = [(g, len(host)) for g, _, host in step.kv_stores] + [(g, len(host)) for g, host, _ in step.kv_loads]
+        return sum(n * self.host_unit_bytes[g] for g, n in units) / rate
+
+    def _copy(self, step: StepInput) -> tuple[list[int], list[int]]:
+        """The (checked) copies' device blocks, done and failed; stores fill their host units."""
+        done, failed = [], []
+        for _, block, host in step.kv_stores:
+            self._host_filled.update(host)
+            done.append(block)
+        for _, host, block in step.kv_loads:
+            (done if self._host_filled.issuperset(host) else failed).append(block)
+        return done, failed
 
     def sample(self, chunk: ScheduledChunk) -> int:
         """The token after the chunk: a function of (seed, request seed, its position) only; unseeded, of
@@ -240,6 +275,19 @@ class SimulatedWorker:
         for chunk, windows in moves:
             if windows is not None:
                 self._move_in(chunk, windows, undo)
+        self._check_copies(step)
+
+    def _check_copies(self, step: StepInput) -> None:
+        """Well formed, on named composites, and no load into what a live window reads."""
+        check_transfers(step.kv_stores, step.kv_loads, self.widths, self.num_blocks, self.num_host_blocks)
+        for g, block in [(g, b) for g, b, _ in step.kv_stores] + [(g, b) for g, _, b in step.kv_loads]:
+            if self.widths[g] > 1 and block not in self._members[g]:
+                raise ValueError(f"host-tier copy of group {g} block {block}: no composition has named it")
+        for g, _, block in step.kv_loads:
+            if self._readers[g].get(block):
+                raise ValueError(f"load into group {g} block {block}, which a live window reads")
+            for unit in self.units(g, block):
+                self._check_unit_free(unit, f"load into group {g} block {block}", g)
 
     def _move_out(self, chunk: ScheduledChunk, known: bool, undo: list) -> list[range]:
         """Append the chunk's ids to its mirror; release the entries its window leaves; return the new windows."""
