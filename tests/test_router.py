@@ -427,12 +427,12 @@ def test_the_deployments_host_cost_uses_the_hand_derived_bytes_and_the_step_cost
     cost = HostHitCost.for_deployment("gemma-3-27b", "H100-80GB")
     # 52 sliding layers in 26 units of 2, 10 full in 5; a unit is 2 layers x 16 tokens x 8,192 B
     assert cost.block_bytes == (26 * 262_144, 5 * 262_144) == (6_815_744, 1_310_720)
-    assert cost.link_bytes_per_s == 64e9                          # PCIe Gen5 x16, one direction
+    assert cost.link_bytes_per_s == 64e9 * 0.86                   # PCIe Gen5 x16, one way, at 86%
     # an 8k hit from host: 64 sliding blocks + 512 full ones = 1,107,296,256 B (docs/performance.md)
-    assert cost.load_s([64, 512]) == 1_107_296_256 / 64e9
+    assert cost.load_s([64, 512]) == 1_107_296_256 / (64e9 * 0.86)
     assert cost.prefill_s(0, 8192) == StepCostModel("gemma-3-27b", "H100-80GB").step([(0, 8192)]).time_s
     oss = HostHitCost.for_deployment("gpt-oss-20b", "A100-80GB", tensor_parallel_size=2)
-    assert oss.block_bytes == (196_608, 196_608) and oss.link_bytes_per_s == 32e9   # 12 layers x 16 x 1,024 B
+    assert oss.block_bytes == (196_608, 196_608) and oss.link_bytes_per_s == 32e9 * 0.86   # 12 x 16 x 1,024 B
     with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
         HostHitCost((1,), 0, lambda s, n: 1.0)
 

@@ -13,7 +13,8 @@ the prefill of tokens ``h_d .. h_u`` and pays a load instead. The router counts 
 ``B_g`` is one block of group ``g`` on one device: its width in pool units x the unit's bytes
 (``kv_layout``: a unit is the pages of ``S`` layers, sharded by tensor parallelism, one pipeline stage);
 each device loads its own shard over its own host link, in parallel, so the time is one device's. ``link``
-is one direction of the host<->device link. The load replaces a prefill of ``h_u - h_d`` tokens: a token
+is the GPU preset's host<->device copy rate, one direction (``GpuPreset.host_link_bytes_per_s``: PCIe
+one way at its measured efficiency, the rate the simulated workers charge copies at). The load replaces a prefill of ``h_u - h_d`` tokens: a token
 found on host counts as a fraction ``1 - t_load / t_prefill`` of a device token (the load's time in
 prefill tokens is taken off), and nothing when the load would take longer than recomputing. ``h`` is what
 the prefix router ranks replicas by and estimates their wait with (``policies.PrefixAware``).
@@ -29,12 +30,6 @@ from kvmanager.planning import kv_layout
 from workers.sim.cost_model import StepCostModel
 from workers.sim.gpus import get_gpu
 from workers.sim.presets import get_model_preset
-
-# Host<->device bandwidth, one direction, per GPU preset (the GPU presets have no such field yet): PCIe
-# Gen5 x16 on H100 SXM5 and H200 SXM (128 GB/s both directions, NVIDIA H100 and H200 datasheets), PCIe
-# Gen4 x16 on A100 80GB SXM4 and L40S (64 GB/s both directions, NVIDIA A100 and L40S datasheets).
-HOST_LINK_BYTES_PER_S = {"H100-80GB": 64e9, "H200": 64e9, "A100-80GB": 32e9, "L40S": 32e9}
-
 
 class HostHitCost:
     """The discount of host-tier hits for one deployment (every replica the same model, GPU and split):
@@ -52,8 +47,8 @@ class HostHitCost:
     @classmethod
     def for_deployment(cls, model, gpu, block_size: int = 16, tensor_parallel_size: int = 1,
                        pipeline_parallel_size: int = 1, link_bytes_per_s: float | None = None) -> "HostHitCost":
-        """From the model and GPU presets: ``kv_layout``'s blocks, the GPU's host link (``HOST_LINK_BYTES_PER_S``
-        unless given), ``StepCostModel``'s prefill time."""
+        """From the model and GPU presets: ``kv_layout``'s blocks, the GPU's host link (unless given),
+        ``StepCostModel``'s prefill time."""
         preset, gpu = get_model_preset(model), get_gpu(gpu)
         layout = kv_layout(preset.layer_specs(block_size), pipeline_parallel_size, tensor_parallel_size)
         model_cost = StepCostModel(preset, gpu, tensor_parallel_size, pipeline_parallel_size)
@@ -62,7 +57,7 @@ class HostHitCost:
         def prefill_s(start: int, num_tokens: int) -> float:
             return model_cost.step([(start, num_tokens)]).time_s
 
-        link = link_bytes_per_s if link_bytes_per_s is not None else HOST_LINK_BYTES_PER_S[gpu.name]
+        link = link_bytes_per_s if link_bytes_per_s is not None else gpu.host_link_bytes_per_s
         return cls(tuple(w * layout.block_bytes for w in layout.group_widths), link, prefill_s)
 
     def load_s(self, host_blocks) -> float:
