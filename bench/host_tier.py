@@ -150,6 +150,9 @@ def grid_windows(layout: str, window: int) -> tuple:
 def hit_rates(args) -> None:
     from retention import FAMILIES, UNITS, SimAdapter, SwakvAdapter, draw_settings, pool_sizes, serve
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    if args.speculative:
+        print("window-aware columns with host_speculative_stores=True (also what no known hit needs, into free "
+              "host units only)")
     print(f"seed {seed} (--seed {seed} replays it); hit rate = prompt tokens served from either tier at first "
           f"admission / prompt tokens")
     print("per (draw, family, layout): the two tightest device pools of the retention bench; host tier of 1x, 4x "
@@ -182,9 +185,10 @@ def hit_rates(args) -> None:
                     for as_full in (False, True):
                         for f in FACTORS:
                             adapter = HostTierAdapter(windows, num_blocks, f * device_units, units=units,
-                                                      as_full=as_full)
+                                                      as_full=as_full, speculative=args.speculative and not as_full)
                             rates.append(serve(workload, adapter, **kw)["hit_rate"])
-                    adapter = HostTierAdapter(windows, num_blocks, whole, units=units)   # exactly the working set
+                    adapter = HostTierAdapter(windows, num_blocks, whole, units=units,   # exactly the working set
+                                              speculative=args.speculative)
                     rates.append(serve(workload, adapter, **kw)["hit_rate"])
                     ws = [f * device_units / whole for f in FACTORS]
                     rows.append((top, rates, ws))
@@ -238,6 +242,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--families", type=lambda s: s.split(","), default=["chat", "agent", "rag", "edit"])
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=list(HIT_LAYOUTS))
+    ap.add_argument("--speculative", action="store_true",
+                    help="--hit-rates: the window-aware tier with host_speculative_stores=True")
     ap.add_argument("--report-from", type=lambda s: s.split(","), help="printed --hit-rates tables: count again")
     args = ap.parse_args()
     if args.report_from:
