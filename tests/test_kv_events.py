@@ -434,3 +434,21 @@ def test_with_a_host_tier_the_index_holds_exactly_what_each_tier_can_hit_after_a
             assert known(lazy, n) == cached_sets(mgr) and [set(lazy.on_host(g)) for g in range(n)] == host_sets(mgr)
     follow(lazy, pub)
     assert [set(lazy.on_host(g)) for g in range(n)] == host_sets(mgr) and known(lazy, n) == cached_sets(mgr)
+
+
+def test_the_index_keeps_each_medium_apart_reads_a_missing_medium_as_gpu_and_skips_other_tiers():
+    def batch(*events):
+        return msgpack.packb([0.0, list(events), 0], use_bin_type=True)
+
+    index = KVIndex()
+    index.load("e", 1, batch({"type": "AllBlocksCleared"}))
+    index.apply(2, batch(
+        {"type": "BlockStored", "block_hashes": [b"a", b"b"], "medium": "GPU", "group_idx": 1},
+        {"type": "BlockStored", "block_hashes": [b"b", b"c"], "medium": "CPU", "group_idx": 1},
+        {"type": "BlockStored", "block_hashes": [b"d"], "medium": None, "group_idx": 0},       # vLLM's None: device
+        {"type": "BlockStored", "block_hashes": [b"e"], "medium": "STORAGE", "group_idx": 0},  # a tier not scored
+        {"type": "BlockRemoved", "block_hashes": [b"b"], "medium": "CPU", "group_idx": 1}))
+    assert (index.groups, index.host) == ([{b"d"}, {b"a", b"b"}], [set(), {b"c"}])
+    assert index.cached(1) == {b"a", b"b"} and index.on_host(1) == {b"c"} and index.on_host(5) == frozenset()
+    index.apply(3, batch({"type": "AllBlocksCleared"}))                    # both media
+    assert (index.groups, index.host) == ([set(), set()], [set(), set()])
