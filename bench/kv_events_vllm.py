@@ -7,7 +7,8 @@ and a snapshot, then runs itself under vLLM's Python (``--vllm-python``), which 
 ``msgspec.msgpack.decode(payload, type=vllm.distributed.kv_events.KVEventBatch)`` and compares every
 field vLLM knows with what plain msgpack reads, and recomputes each stored block's hash from the event's
 ``token_ids`` (``kvmanager.hashing``, standard library only). It prints one line per layout and exits 1
-on any mismatch.
+on any mismatch. A third case drives a manager with a host tier on gpt-oss-20b's layout: its batches carry
+medium "CPU" (stores to host, host evictions) beside "GPU".
 
     python bench/kv_events_vllm.py [--vllm-python /tmp/vllm-venv/bin/python]
 """
@@ -64,6 +65,49 @@ def encode(model: str, seed: int) -> list[bytes]:
     return payloads
 
 
+def encode_host_tier(seed: int) -> list[bytes]:
+    """Batches with the host tier's medium "CPU": gpt-oss-20b's layout driven through the manager (the engine
+    side of the tier is not needed to make its events): sessions finish (stores, fenced), later ones evict
+    them from the device and from host, and resends restore them (loads, fenced)."""
+    import random
+
+    from cluster.engine.kv_events import EventPublisher
+    from kvmanager import KVCacheManager, Request
+    from kvmanager.host_tier import HostRef
+    from kvmanager.planning import kv_layout
+    from workers.sim.presets import layer_specs
+    rng = random.Random(seed)
+    layout = kv_layout(layer_specs("gpt-oss-20b", 16))
+    mgr = KVCacheManager(layout.group_specs, 200, max_model_len=4096, widths=layout.group_widths,
+                         num_host_blocks=300)
+    pub = EventPublisher(mgr.specs, rank=1)
+    pub.attach(mgr)
+    payloads, prompts = [], []
+    for i in range(40):
+        prompt = (rng.choice(prompts)[:rng.randrange(16, 600)] if prompts and rng.random() < 0.4 else []) \
+            + [rng.randrange(1000) for _ in range(rng.randrange(20, 700))]
+        req = Request(f"r{i}", prompt)
+        hit, h = mgr.get_computed_blocks(req)
+        if any(type(b) is HostRef for g in hit for b in g):
+            mgr.allocate_slots(req, 0, h, hit)
+            mgr.transfers_done([d for _, _, d in mgr.take_transfers().loads])
+            req.num_computed_tokens = h
+            h = 0
+        if mgr.allocate_slots(req, req.num_tokens - req.num_computed_tokens - h, h, hit if h else None) is None:
+            continue
+        req.num_computed_tokens = req.num_tokens
+        mgr.free(req)
+        mgr.transfers_done([d for _, d, _ in mgr.take_transfers().stores])
+        prompts.append(prompt)
+        if pub.flush():
+            payloads.append(pub._batches[-1][1])
+    mgr.host_tier_lost()
+    if pub.flush():
+        payloads.append(pub._batches[-1][1])
+    payloads.append(pub.snapshot()[1])
+    return payloads
+
+
 def decode_with_vllm(path: str) -> int:
     """In vLLM's venv: decode every batch with its classes, compare fields, recompute hashes."""
     import msgspec
@@ -75,6 +119,7 @@ def decode_with_vllm(path: str) -> int:
     failures = 0
     for case in cases:
         counts = {name: 0 for name in VLLM_FIELDS}
+        media: dict[str, int] = {}
         mismatches, hashed = [], 0
         for hex_payload in case["payloads"]:
             payload = bytes.fromhex(hex_payload)
@@ -88,6 +133,8 @@ def decode_with_vllm(path: str) -> int:
                     mismatches.append(f"type {name} vs {raw['type']}")
                     continue
                 counts[name] += 1
+                if name != "AllBlocksCleared":
+                    media[event.medium] = media.get(event.medium, 0) + 1
                 for field in VLLM_FIELDS[name]:
                     if getattr(event, field) != raw[field]:
                         mismatches.append(f"{name}.{field}: {getattr(event, field)!r} vs {raw[field]!r}")
@@ -99,7 +146,8 @@ def decode_with_vllm(path: str) -> int:
         failures += bool(mismatches)
         print(f"{case['model']:>14}: {len(case['payloads'])} batches decoded by vllm.distributed.kv_events."
               f"KVEventBatch: {counts['BlockStored']} BlockStored, {counts['BlockRemoved']} BlockRemoved, "
-              f"{counts['AllBlocksCleared']} AllBlocksCleared; {hashed} block hashes recomputed from token_ids; "
+              f"{counts['AllBlocksCleared']} AllBlocksCleared; media {media}; {hashed} block hashes recomputed "
+              f"from token_ids; "
               f"{'all fields match' if not mismatches else f'{len(mismatches)} MISMATCHES, first: {mismatches[:3]}'}")
     return 1 if failures else 0
 
@@ -118,6 +166,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     cases = [{"model": m, "payloads": [p.hex() for p in encode(m, args.seed)]} for m in args.models]
+    cases.append({"model": "gpt-oss-20b+host", "payloads": [p.hex() for p in encode_host_tier(args.seed)]})
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cases, f)
     try:

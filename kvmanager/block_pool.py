@@ -63,7 +63,8 @@ class BlockPool:
         self._cached: list[dict[bytes, dict[int, Block]]] = [{} for _ in range(num_groups)]
         self.free = FreeQueue(self.blocks[1:], self.widths, last_message_tokens, self._cached)
         self._compositions: list[tuple[int, int, tuple[int, ...]]] = []
-        # Optional sink: stored(group, hash, parent hash, block index), removed(group, hash), cleared().
+        # Optional sink: stored(group, hash, parent hash, block index, tokens), removed(group, hash), cleared();
+        # the host tier adds copied(group, hash, medium) and removed(group, hash, medium) (``host_tier``).
         self.events = None
         self.tier = None           # the host tier (``host_tier.HostTier``), which releases go through; None: off
 

@@ -48,6 +48,13 @@ the engine must not compute it. A failed load preempts its request (it recompute
 cache), forgets the host copy, and frees nothing early: the request's other targets stay pinned until
 their own copies report. A host block a load reads, or a store writes, is never evicted from the host.
 
+**Events** (``BlockPool.events``, when set). A store's copy, once fenced, is announced as
+``copied(group, hash, "CPU")``: its source block is still cached then (it was pinned), so the sink tells
+the copy with the device block's chain and tokens; a host block leaving lookups (evicted, its load failed,
+the host memory lost) as ``removed(group, hash, "CPU")``. A load's target is cached on device like any
+computed block (``stored``, the tokens included). A prefix-cache reset is the pool's ``cleared``, which
+covers both tiers.
+
 **Host eviction.** LRU over whole host blocks (a hit or a repeated store refreshes an entry), skipping
 those with a copy in flight: the order an operator expects, and cheap. Its known worst case is cyclic
 reuse of more than the host holds (sessions coming back in turn): there it keeps nothing useful, which
@@ -61,6 +68,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 STORE, LOAD = 0, 1
+HOST_MEDIUM = "CPU"     # the KV events' ``medium`` of this tier (vLLM's name for host memory)
 
 
 @dataclass
@@ -130,6 +138,20 @@ class _Either:
         return block_hash in self.device or block_hash in self.host
 
 
+def _group_hit(group, request, cached, bound: int) -> int:
+    return group.longest_hit(request, bound, cached=cached)
+
+
+def _whole_prefix(group, request, cached, bound: int) -> int:
+    """``as_full``: the longest run of cached blocks from the first (every layer treated as full attention)."""
+    bs = group.block_size
+    hashes = request.block_hashes(bs, min(bound, request.num_tokens) // bs)[:bound // bs]
+    n = 0
+    while n < len(hashes) and hashes[n] in cached:
+        n += 1
+    return n * bs
+
+
 class HostTier:
     """``num_units`` host units for the pool's groups (a block of a width-k group takes k units)."""
 
@@ -151,6 +173,12 @@ class HostTier:
         #                            counted on (the pool is short): those blocks go to the free queue
         self.blocks_stored = [0] * n
         self.blocks_loaded = [0] * n
+        # The baseline the hit-rate bench compares against (``bench/host_tier.py``), never set by the
+        # product: store every cached block a release or a drop lets go, and take a hit from host only
+        # where every group holds the whole prefix (device or host), as a tier that treats every layer as
+        # full attention does. Loads stay those of the window-aware table: it models what is stored and
+        # what a hit requires; the bytes of its loads are the as-full layout's (the bytes table).
+        self.as_full = False
 
     # -- stores: where a released block goes -----------------------------------------------------
     def add_dropped(self, blocks, first: int, below_fork, below_end) -> None:
@@ -160,7 +188,7 @@ class HostTier:
         for needed_pass in (True, False):
             for i, block in enumerate(blocks, first):
                 if block.ref_cnt == 0 and not block.pinned and block.block_hash is not None:
-                    needed = i in below_fork or i in below_end
+                    needed = self.as_full or i in below_fork or i in below_end
                     if needed is needed_pass:
                         self._store(block, (i, i in below_fork, i in below_end), not needed)
         free = self.pool.free
@@ -203,7 +231,10 @@ class HostTier:
             end = min(end, len(hashes))
             prompt_end = min((len(request.prompt_token_ids) - 1) // bs, end)
             lowest = max(0, prompt_end * bs - last_message)
-            idx = set(range(first(end * bs) // bs, end)) | set(range(first(lowest) // bs, prompt_end))
+            if self.as_full:
+                idx = range(end)
+            else:
+                idx = set(range(first(end * bs) // bs, end)) | set(range(first(lowest) // bs, prompt_end))
             out.append({hashes[i] for i in idx})
         return out
 
@@ -251,6 +282,8 @@ class HostTier:
         if self.entries[hb.group].get(hb.block_hash) is hb:
             del self.entries[hb.group][hb.block_hash]
             del self._lru[key]
+            if self.pool.events is not None:
+                self.pool.events.removed(hb.group, hb.block_hash, HOST_MEDIUM)
         hb.valid = False
         if not hb.pins:
             self._free.extend(reversed(hb.units))
@@ -261,8 +294,8 @@ class HostTier:
         for the needed blocks found on host only."""
         co = self.coordinator
         views = [_Either(self.pool._cached[g.group_id], self.entries[g.group_id]) for g in co.groups]
-        h2 = co.rule.longest([partial(g.longest_hit, request, cached=v) for g, v in zip(co.groups, views)],
-                             max_tokens)
+        search = _whole_prefix if self.as_full else _group_hit
+        h2 = co.rule.longest([partial(search, g, request, v) for g, v in zip(co.groups, views)], max_tokens)
         if h2 <= h:
             return hit, h
         request.lru_hit = max(request.lru_hit, h2)   # the floor compares device policies: LRU with this
@@ -307,6 +340,11 @@ class HostTier:
                     ids.add(dev.block_id)
                     blocks[j] = dev
             out.append(blocks)
+        if self.as_full:                 # its hit used the whole prefix: a full member of the LRU order too
+            for g, blocks in zip(self.coordinator.groups, hit):
+                for x in request.block_hashes(g.block_size, len(blocks))[:len(blocks)]:
+                    if (g.group_id, x) in self._lru:
+                        self._lru.move_to_end((g.group_id, x))
         return tuple(out)
 
     # -- the engine's side -------------------------------------------------------------------------
@@ -340,6 +378,8 @@ class HostTier:
                     self._lru[(hb.group, hb.block_hash)] = hb
                     if hb.speculative:          # first to go
                         self._lru.move_to_end((hb.group, hb.block_hash), last=False)
+                    if self.pool.events is not None:    # the source is still cached (pinned till now)
+                        self.pool.events.copied(hb.group, hb.block_hash, HOST_MEDIUM)
                 else:
                     self._free.extend(reversed(hb.units))
                 if block.ref_cnt == 0:          # nobody took it back meanwhile: it is free now
@@ -355,9 +395,10 @@ class HostTier:
             if mine:
                 entry[1].discard(i)
             if ok and block.ref_cnt:
-                bs = self.coordinator.groups[hb.group].block_size
-                parent = t.request.block_hashes(bs, t.release)[t.release - 1] if t.release else None
-                self.pool.cache(block, hb.group, hb.block_hash, parent, t.release)
+                bs, j = self.coordinator.groups[hb.group].block_size, t.release
+                parent = t.request.block_hashes(bs, j)[j - 1] if j else None
+                tokens = t.request.all_token_ids[j * bs:(j + 1) * bs] if self.pool.events is not None else None
+                self.pool.cache(block, hb.group, hb.block_hash, parent, j, token_ids=tokens)
             if not ok and mine and all(r is not t.request for r in lost):
                 lost.append(t.request)
             if not ok and hb.valid:

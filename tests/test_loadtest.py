@@ -142,6 +142,9 @@ def test_bad_workload_knobs_are_named(kwargs, message):
     ({"workload": "chess"}, "workload must be one of chat, agent, qa"),
     ({"workload_args": {"session": 3}}, "workload_args: unknown field(s) ['session']"),
     ({"kv_memory": 0}, "kv_memory must be an integer >= 1"),
+    ({"layouts": ("window_aware", "host_tier")}, "the host_tier layout and kv_host_memory go together"),
+    ({"kv_host_memory": 1 << 30}, "the host_tier layout and kv_host_memory go together"),
+    ({"layouts": ("host_tier",), "kv_host_memory": 0}, "kv_host_memory must be an integer >= 1"),
 ])
 def test_bad_load_test_configs_are_named(changes, message):
     with pytest.raises(ValueError) as err:
@@ -182,6 +185,21 @@ def test_command_line_refuses_bad_values_before_starting_anything(capsys):
         args = parser.parse_args(["loadtest", *argv])
         assert args.func(args) == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_host_tier_comparison_runs_window_aware_without_and_with_a_host_tier_of_the_given_size():
+    from cluster.loadtest.cli import config_from_args
+    parser = argparse.ArgumentParser(prog="swakv")
+    register(parser.add_subparsers(dest="command"))
+    cfg = config_from_args(parser.parse_args(["loadtest", "--layouts", "host-tier", "--kv-host-memory", "24GiB",
+                                              "--kv-memory", "3GiB"]))
+    assert (cfg.layouts, cfg.kv_host_memory, cfg.kv_memory) == (("window_aware", "host_tier"), 24 << 30, 3 << 30)
+    plain, tier = cfg.engine_args("window_aware"), cfg.engine_args("host_tier")
+    assert (plain.kv_host_memory, tier.kv_host_memory, tier.sliding_as_full, tier.kv_cache_memory) == \
+        (None, 24 << 30, False, 3 << 30)
+    for argv in (["--layouts", "host-tier"], ["--kv-host-memory", "8GiB"]):
+        with pytest.raises(ValueError, match="--layouts host-tier compares window-aware without and with"):
+            config_from_args(parser.parse_args(["loadtest", *argv]))
 
 
 def test_router_comparisons_default_to_one_layout_one_stage_and_busier_shared_prefix_workloads():

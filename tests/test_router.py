@@ -15,13 +15,16 @@ from hypothesis import strategies as st
 
 from cluster.engine.kv_events import EventPublisher
 from cluster.routing.replicas import ReplicaSet
+from cluster.routing.host_cost import HostHitCost
 from cluster.routing.policies import (LeastLoaded, PrefixAware, RayPrefixTree, Replica, RoundRobin, common_prefix_tokens,
-                                     make_router, prefix_hit)
+                                     make_router, prefix_hit, tiered_hit)
 from cluster.routing.prompt import PromptHashes
 from cluster.engine.types import SamplingParams
-from kvmanager import Request
+from kvmanager import KVCacheManager, Request
+from kvmanager.host_tier import HostRef
 from kvmanager.coordinator import HitRule
 from kvmanager.hashing import split_hashes
+from workers.sim.cost_model import StepCostModel
 
 from test_kv_events import LAYOUTS, SHARED, VOCAB, follow, make_engine
 from test_kv_properties import oracle_hit
@@ -325,3 +328,143 @@ def test_a_replica_that_restarted_between_two_polls_counts_as_down_and_the_route
     r0.index.forget()      # a gap (missed batches) in the same incarnation: a snapshot, not a restart
     replicas._apply(r0, {"epoch": restarted.epoch, "load": load, "snapshot": restarted.snapshot()})
     assert replicas.downs["r0"] == 1
+
+
+# -- the host tier: hits over device and host, counted at a discount ----------------------------------------
+def host_replica(rank: int, computed: list[list[int]], evict: bool, num_blocks: int = 121, host: int = 200):
+    """A gemma-3-like replica (sliding W 16 + full, blocks of 4, widths 5 and 1) with a host tier, driven
+    through its manager: each prompt in ``computed`` is prefilled and finished (its stores fenced); with
+    ``evict``, a request of other tokens then takes every device unit and is preempted, so what those
+    prompts left is on host only."""
+    specs, widths = LAYOUTS["gemma-3"]
+    mgr = KVCacheManager(specs, num_blocks, max_model_len=400, widths=widths, num_host_blocks=host)
+    replica, pub = Replica(rank, f"engine-{rank}", ready=True, rule=HitRule(specs)), EventPublisher(specs, rank)
+    pub.attach(mgr)
+    for i, prompt in enumerate(computed):
+        req = Request(f"c{i}", prompt)
+        assert mgr.allocate_slots(req, len(prompt)) is not None
+        req.num_computed_tokens = len(prompt)
+        mgr.free(req)
+        mgr.transfers_done([d for _, d, _ in mgr.take_transfers().stores])
+    if evict:
+        filler = Request("filler", [3] * (4 * ((num_blocks - 1) // 6)))   # 6 units a block of 4 tokens: all
+        assert mgr.allocate_slots(filler, filler.num_tokens) is not None
+        mgr.preempt(filler)
+    pub.flush()
+    follow(replica.index, pub)
+    return replica, mgr, pub
+
+
+def manager_hit(mgr, prompt: list[int]) -> tuple[int, int, list[int]]:
+    """The manager's own answer: (device hit, hit over both tiers, per group the blocks it would load)."""
+    req = Request("probe", prompt)
+    device = mgr.coordinator.find_hit(req, req.num_tokens - 1)[1]
+    hit, both = mgr.get_computed_blocks(req)
+    return device, both, [sum(type(b) is HostRef for b in blocks) for blocks in hit]
+
+
+def test_a_replica_that_holds_a_prompt_on_host_only_offers_the_hit_its_manager_would_load():
+    replica, mgr, _ = host_replica(0, [PROMPT], evict=True)
+    ask = PromptHashes(PROMPT + [1, 1])
+    assert prefix_hit(replica, ask) == 0                          # nothing left on the device
+    # over both tiers: the 60-token hit; it loads the sliding group's last window below token 60 (tokens
+    # 45.., blocks 11-14: 4 blocks) and every full-attention block (15)
+    assert tiered_hit(replica, ask) == (0, 60, [4, 15]) == manager_hit(mgr, PROMPT + [1, 1])
+    assert PrefixAware().hit(replica, ask) == 0                   # without a host cost: the device only
+
+
+def test_a_host_hit_counts_less_the_time_its_load_takes_in_prefill_tokens():
+    # block bytes 5 and 1 (the widths: 1-byte units), a link of 35 B/s, prefill 1/15 s a token: a 60-token
+    # hit from host loads 4 x 5 + 15 x 1 = 35 B in 1 s, against 4 s to recompute: it counts 60 x 3/4 = 45
+    calls = []
+
+    def prefill_s(start, n):
+        calls.append((start, n))
+        return n / 15
+
+    host = host_replica(0, [PROMPT], evict=True)[0]
+    device = host_replica(1, [PROMPT[:40]], evict=False)[0]       # 40 tokens of it on the device
+    cold = host_replica(2, [], evict=False)[0]
+    replicas = [host, device, cold]
+    ask = PromptHashes(PROMPT + [1, 1])
+    assert [prefix_hit(r, ask) for r in replicas] == [0, 40, 0]
+    fast = PrefixAware(host_cost=HostHitCost((5, 1), 35.0, prefill_s))
+    assert fast.hit(host, ask) == 45 and calls == [(0, 60)]
+    choice = fast.choose(replicas, ask)
+    assert (choice.replica.rank, choice.hit_tokens, choice.reason) == (0, 45, "best-hit")
+    # a link half as fast: 2 s of 4, the hit counts 30 < 40: the replica holding 40 tokens on device wins
+    slow = PrefixAware(host_cost=HostHitCost((5, 1), 17.5, prefill_s))
+    assert slow.hit(host, ask) == 30
+    assert slow.choose(replicas, ask).replica.rank == 1
+    # a load slower than recomputing counts nothing
+    assert PrefixAware(host_cost=HostHitCost((5, 1), 8.75, prefill_s)).hit(host, ask) == 0
+    # without the host cost the router ignores host tiers: the device's 40 tokens win
+    assert PrefixAware().choose(replicas, ask).replica.rank == 1
+
+
+def test_a_hit_that_starts_on_the_device_and_ends_on_host_loads_only_what_the_device_lacks():
+    # the whole prompt went to host; then the device lost all but a shorter prompt's first 40 tokens
+    replica, mgr, pub = host_replica(0, [PROMPT], evict=True)
+    req = Request("again", PROMPT[:40] + [0, 0, 0, 0])            # recompute the first 40 tokens on device
+    hit, h = mgr.get_computed_blocks(req)
+    assert h == 40
+    assert mgr.allocate_slots(req, 0, h, hit) is not None         # loaded from host: full blocks 0-9, sliding 6-9
+    mgr.transfers_done([d for _, _, d in mgr.take_transfers().loads])
+    mgr.preempt(req)
+    pub.flush()
+    follow(replica.index, pub)
+    ask = PromptHashes(PROMPT + [1, 1])
+    # device: blocks 0-9 of the full group, 6-9 of the sliding one: a 40-token hit. Both tiers: 60; the
+    # load is full blocks 10-14 (5) and the sliding window's blocks 11-14 (4), whatever the device holds
+    assert tiered_hit(replica, ask) == (40, 60, [4, 5]) == manager_hit(mgr, PROMPT + [1, 1])
+    calls = []
+    cost = HostHitCost((5, 1), 25.0, lambda start, n: calls.append((start, n)) or n / 10)
+    # 25 B in 1 s against 20 tokens in 2 s: 40 + 20 x 1/2
+    assert PrefixAware(host_cost=cost).hit(replica, ask) == 50 and calls == [(40, 20)]
+
+
+def test_the_deployments_host_cost_uses_the_hand_derived_bytes_and_the_step_cost_model():
+    cost = HostHitCost.for_deployment("gemma-3-27b", "H100-80GB")
+    # 52 sliding layers in 26 units of 2, 10 full in 5; a unit is 2 layers x 16 tokens x 8,192 B
+    assert cost.block_bytes == (26 * 262_144, 5 * 262_144) == (6_815_744, 1_310_720)
+    assert cost.link_bytes_per_s == 64e9 * 0.86                   # PCIe Gen5 x16, one way, at 86%
+    # an 8k hit from host: 64 sliding blocks + 512 full ones = 1,107,296,256 B (docs/performance.md)
+    assert cost.load_s([64, 512]) == 1_107_296_256 / (64e9 * 0.86)
+    assert cost.prefill_s(0, 8192) == StepCostModel("gemma-3-27b", "H100-80GB").step([(0, 8192)]).time_s
+    oss = HostHitCost.for_deployment("gpt-oss-20b", "A100-80GB", tensor_parallel_size=2)
+    assert oss.block_bytes == (196_608, 196_608) and oss.link_bytes_per_s == 32e9 * 0.86   # 12 x 16 x 1,024 B
+    with pytest.raises(ValueError, match="link_bytes_per_s must be > 0"):
+        HostHitCost((1,), 0, lambda s, n: 1.0)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=st.sampled_from(sorted(LAYOUTS)), num_blocks=st.integers(30, 120), host=st.integers(8, 80),
+       traffic=st.lists(st.tuples(st.integers(0, len(SHARED)), st.lists(st.integers(0, VOCAB - 1), max_size=24),
+                                  st.booleans()), max_size=16),
+       probes=st.lists(PROBE, min_size=1, max_size=6))
+def test_over_both_tiers_the_router_finds_the_hit_and_the_loads_the_replicas_manager_would(layout, num_blocks, host,
+                                                                                          traffic, probes):
+    specs, widths = LAYOUTS[layout]
+    mgr = KVCacheManager(specs, num_blocks, max_model_len=200, widths=widths, num_host_blocks=host * max(widths))
+    replica, pub = Replica(0, "engine-0", ready=True, rule=HitRule(specs)), EventPublisher(specs)
+    pub.attach(mgr)
+    for n, (shared, text, preempt) in enumerate(traffic):     # one request at a time, its copies fenced
+        req = Request(f"t{n}", (SHARED[shared] if shared < len(SHARED) else []) + text + [n % VOCAB])
+        hit, h = mgr.get_computed_blocks(req)
+        if any(type(b) is HostRef for g in hit for b in g):
+            if mgr.allocate_slots(req, 0, h, hit) is None:
+                continue
+            mgr.transfers_done([d for _, _, d in mgr.take_transfers().loads])
+            req.num_computed_tokens, h, hit = h, 0, None
+        if mgr.allocate_slots(req, req.num_tokens - req.num_computed_tokens - h, h, hit) is None:
+            if mgr.is_loading(req.request_id) or req.num_computed_tokens:
+                mgr.preempt(req)
+            continue
+        req.num_computed_tokens = req.num_tokens
+        (mgr.preempt if preempt else mgr.free)(req)
+        mgr.transfers_done([d for _, d, _ in mgr.take_transfers().stores])
+    pub.flush()
+    follow(replica.index, pub)
+    for shared, text in probes:
+        prompt = (SHARED[shared] if shared < len(SHARED) else []) + text or [0]
+        assert tiered_hit(replica, PromptHashes(prompt)) == manager_hit(mgr, prompt)

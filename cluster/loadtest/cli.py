@@ -10,7 +10,7 @@ import sys
 from cluster.routing.policies import ROUTERS
 from cluster.tools.args import non_negative, positive, size_arg
 
-from .config import LAYOUTS, ROUTER_WORKLOADS, WORKLOAD_KNOBS, LoadTestConfig
+from .config import HOST_TIER, LAYOUTS, ROUTER_WORKLOADS, WORKLOAD_KNOBS, LoadTestConfig
 from .report import format_report, public_report, write_plots
 from .run import run_loadtest
 from .workloads import WORKLOADS
@@ -26,7 +26,11 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
         knobs["system_prompts" if args.workload == "chat" else "documents"] = args.shared_prefixes
     if routers and not args.trace:
         knobs = {**ROUTER_WORKLOADS.get(args.workload, {}), **knobs}
-    layouts = {"both": LAYOUTS, "window-aware": ("window_aware",), "sliding-as-full": ("sliding_as_full",)}
+    layouts = {"both": LAYOUTS, "window-aware": ("window_aware",), "sliding-as-full": ("sliding_as_full",),
+               "host-tier": ("window_aware", HOST_TIER)}
+    if (args.layouts == "host-tier") != (args.kv_host_memory is not None):
+        raise ValueError("--layouts host-tier compares window-aware without and with a host KV tier of "
+                         "--kv-host-memory: give both or neither")
     layout = args.layouts or ("window-aware" if routers else "both")
     pp = args.pipeline_parallel_size or (1 if args.real or routers else LoadTestConfig.pipeline_parallel_size)
     if args.kv_memory is None:   # not given: the default budget (simulated) or the CPU workers' default (real)
@@ -36,7 +40,7 @@ def config_from_args(args: argparse.Namespace) -> LoadTestConfig:
     cfg = LoadTestConfig(
         model=args.model or ("default" if args.real else LoadTestConfig.model), gpu=args.gpu, real=args.real, nodes=args.nodes, cpus_per_node=args.cpus_per_node,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=pp,
-        kv_memory=kv_memory, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_memory=kv_memory, kv_host_memory=args.kv_host_memory, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         sleep_factor=args.sleep_factor, layouts=layouts[layout], workload=args.workload, trace=args.trace,
         workload_args=knobs, seed=args.seed, duration_s=args.duration, drain_s=args.drain,
         kill_worker_at=args.kill_worker_at, kill_node_at=args.kill_node_at, port=args.port, out_dir=args.out,
@@ -109,8 +113,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--sleep-factor", type=non_negative, default=d.sleep_factor,
                    help="workers sleep the simulated step time x this (default 1: real time; 0: as fast as "
                         "the CPU goes, GPU time reported apart)")
-    g.add_argument("--layouts", choices=("both", "window-aware", "sliding-as-full"), default=None,
-                   help="KV layouts to compare (default both; with routers, window-aware)")
+    g.add_argument("--layouts", choices=("both", "window-aware", "sliding-as-full", "host-tier"), default=None,
+                   help="KV layouts to compare (default both; with routers, window-aware); host-tier: window-aware "
+                        "without and with a host KV tier of --kv-host-memory")
+    g.add_argument("--kv-host-memory", type=size_arg, default=None,
+                   help="with --layouts host-tier: the host KV tier of each replica, e.g. 24GiB")
     g.add_argument("--data-parallel-size", "-dp", type=positive(int), default=d.data_parallel_size,
                    help="engine replicas behind the app (default 1); more than 1 compares routers")
     g.add_argument("--router", choices=ROUTERS, default=None,

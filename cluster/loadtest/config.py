@@ -11,6 +11,7 @@ from cluster.routing.policies import ROUTERS
 from .workloads import WORKLOADS, load_trace
 
 LAYOUTS = ("window_aware", "sliding_as_full")
+HOST_TIER = "host_tier"        # window-aware with a host KV tier of ``kv_host_memory`` (compared with window_aware)
 WORKLOAD_KNOBS = ("sessions", "turns", "rate", "system_tokens", "user_tokens", "max_tokens", "think_s",
                   "system_prompts", "documents", "popularity")
 
@@ -36,6 +37,7 @@ class LoadTestConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 2
     kv_memory: int | None = 6 << 30     # per device; None: what the GPU leaves (swakv plan's default)
+    kv_host_memory: int | None = None   # the host_tier layout's host KV tier, per replica
     block_size: int = 16
     max_num_batched_tokens: int = 512
     sleep_factor: float = 1.0           # simulated step time slept by the workers, x this
@@ -92,8 +94,13 @@ class LoadTestConfig:
             raise ValueError(f"kill_node_at needs the worker nodes left after one dies to hold all "
                              f"{workers} workers: (nodes - 2) x cpus_per_node >= data_parallel_size x "
                              f"pipeline_parallel_size, got nodes={self.nodes}, cpus_per_node={self.cpus_per_node}")
-        if not self.layouts or any(x not in LAYOUTS for x in self.layouts):
-            raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {self.layouts!r}")
+        if not self.layouts or any(x not in LAYOUTS + (HOST_TIER,) for x in self.layouts):
+            raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS + (HOST_TIER,)}, got {self.layouts!r}")
+        if self.kv_host_memory is not None:
+            check_int("kv_host_memory", self.kv_host_memory, 1)
+        if (HOST_TIER in self.layouts) != (self.kv_host_memory is not None):
+            raise ValueError("the host_tier layout and kv_host_memory go together (the host tier's size), got "
+                             f"layouts={self.layouts!r}, kv_host_memory={self.kv_host_memory!r}")
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         unknown = sorted(set(self.workload_args) - set(WORKLOAD_KNOBS))
@@ -111,7 +118,8 @@ class LoadTestConfig:
         return EngineArgs(model=self.model, tensor_parallel_size=self.tensor_parallel_size,
                           pipeline_parallel_size=self.pipeline_parallel_size, block_size=self.block_size,
                           max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_memory=self.kv_memory,
-                          spread_stages=True, seed=0, sliding_as_full=layout == "sliding_as_full", **sim)
+                          spread_stages=True, seed=0, sliding_as_full=layout == "sliding_as_full",
+                          kv_host_memory=self.kv_host_memory if layout == HOST_TIER else None, **sim)
 
     def sessions(self):
         """The workload (validated by its generator: a bad knob raises naming it)."""

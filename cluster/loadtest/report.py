@@ -81,12 +81,17 @@ def format_router_report(report: dict) -> str:
                              f"{k} {v}" for k, v in sorted(s["router"]["reasons"].items()))])
 
 
+def layout_labels(cfg: dict) -> dict[str, str]:
+    return {"window_aware": "window-aware", "sliding_as_full": "sliding-as-full",
+            "host_tier": f"+ host tier {(cfg.get('kv_host_memory') or 0) / (1 << 30):.3g} GiB"}
+
+
 def format_report(report: dict) -> str:
     if "routers" in report:
         return format_router_report(report)
     cfg = report["config"]
     layouts = list(report["layouts"])
-    labels = {"window_aware": "window-aware", "sliding_as_full": "sliding-as-full"}
+    labels = layout_labels(report["config"])
     rows = [
         ("requests completed / failed / lost", lambda s: f"{s['completed']} / {s['failed']} / {s['lost']}"),
         ("turns not sent (past duration)", lambda s: _fmt(s["not_sent"])),
@@ -181,8 +186,8 @@ def write_plots(report: dict, out_dir: str) -> list[str]:
             json.dump(public_report(report), f, indent=2)
         return [path]
     runs = report["_runs"]
-    colors = {"window_aware": "tab:blue", "sliding_as_full": "tab:red"}
-    labels = {"window_aware": "window-aware", "sliding_as_full": "sliding-as-full"}
+    colors = {"window_aware": "tab:blue", "sliding_as_full": "tab:red", "host_tier": "tab:green"}
+    labels = layout_labels(report["config"])
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     panels = ((axes[0][0], "kv_usage", "KV cache usage", 100.0), (axes[0][1], "running", "running requests", 1.0),
               (axes[1][0], "waiting", "waiting requests", 1.0))

@@ -13,6 +13,11 @@ fewer waiting) or its KV pool is nearly full while another's has room, in which 
 with the shorter estimate of two random replicas (power of two choices) among those that are neither and
 whose hit is short of the best by at most a few steps' prefill.
 
+With a host tier (``--kv-host-memory``), a replica's events also announce what its host memory holds
+(medium "CPU"); given the deployment's ``HostHitCost``, the router counts a hit that reaches further over
+device and host at a discount: the tokens past the device's hit count less the time their load would take,
+in prefill tokens (``host_cost``: the formula).
+
 A prompt's block hashes are computed lazily and once (``PromptHashes``): the scoring of every replica
 shares them, and the chosen engine receives them with the request instead of hashing the prompt again.
 A cold prompt costs one hash per replica-visible miss; a prompt that hits ``k`` blocks on some replica
@@ -33,6 +38,7 @@ from itertools import islice, takewhile
 
 from kvmanager.coordinator import HitRule
 
+from .host_cost import HostHitCost
 from .kv_index import KVIndex
 from .prompt import PromptHashes
 
@@ -82,14 +88,50 @@ class Replica:
 
 
 def prefix_hit(replica: Replica, prompt: PromptHashes) -> int:
-    """The hit (tokens) ``replica``'s manager would grant ``prompt`` now, by its own rules, on the hashes
-    its events say it caches; 0 when its cache is not known. The manager looks up all but the last token."""
+    """The hit (tokens) ``replica``'s manager would grant ``prompt`` now from its device pool, by its own
+    rules, on the hashes its events say it caches; 0 when its cache is not known. The manager looks up all
+    but the last token."""
+    return _longest_hit(replica, prompt, replica.index.cached)
+
+
+class _Either:
+    """A group's hashes on the device or on host, as the manager's lookup over both tiers sees them."""
+
+    __slots__ = ("device", "host")
+
+    def __init__(self, device, host):
+        self.device, self.host = device, host
+
+    def __contains__(self, block_hash) -> bool:
+        return block_hash in self.device or block_hash in self.host
+
+    def issuperset(self, hashes) -> bool:
+        return all(h in self.device or h in self.host for h in hashes)
+
+
+def tiered_hit(replica: Replica, prompt: PromptHashes) -> tuple[int, int, list[int]]:
+    """(device hit, hit over device and host tier, per group the blocks that hit would load from host:
+    those it needs, under the group's window rule, found on host only)."""
+    device = prefix_hit(replica, prompt)
+    index = replica.index
+    if not any(index.host) or replica.rule is None:
+        return device, device, [0] * len(replica.rule.specs if replica.rule else ())
+    both = _longest_hit(replica, prompt, lambda g: _Either(index.cached(g), index.on_host(g)))
+    loads = []
+    for g, spec in enumerate(replica.rule.specs):
+        bs, cached = spec.block_size, index.cached(g)
+        chain = prompt.upto(bs, both // bs)
+        loads.append(sum(1 for h in chain[spec.first_needed_token(both) // bs:both // bs] if h not in cached))
+    return device, both, loads
+
+
+def _longest_hit(replica: Replica, prompt: PromptHashes, cached_of) -> int:
     rule, index = replica.rule, replica.index
     if rule is None or not index.synced or prompt.num_tokens < 2:
         return 0
     searches = []
     for g, spec in enumerate(rule.specs):
-        cached = index.cached(g)
+        cached = cached_of(g)
         bs = spec.block_size
 
         def first_miss(start: int, stop: int, cached=cached, bs=bs) -> int:
@@ -227,7 +269,8 @@ class PrefixAware(Router):
     name = "prefix"
 
     def __init__(self, slack: int = 4, move_cost: float = 2.0, escape_steps: int = 4, kv_full: float = 0.8,
-                 kv_roomy: float = 0.5, seed: int = 0):
+                 kv_roomy: float = 0.5, seed: int = 0, host_cost: HostHitCost | None = None):
+        self.host_cost = host_cost
         self.slack = slack
         self.escape_steps = escape_steps
         self.kv_full, self.kv_roomy = kv_full, kv_roomy
@@ -237,7 +280,7 @@ class PrefixAware(Router):
 
     def choose(self, replicas, prompt):
         n = prompt.num_tokens
-        hits = [max(prefix_hit(r, prompt), prefilling_hit(r, prompt)) for r in replicas]
+        hits = [max(self.hit(r, prompt), prefilling_hit(r, prompt)) for r in replicas]
         steps = [r.wait_steps(n - h) for r, h in zip(replicas, hits)]
 
         def after(i):   # the emptier pool, then round the ranks
@@ -266,6 +309,18 @@ class PrefixAware(Router):
         pick.sent_tokens += n - hits[best]
         self._next = pick.rank + 1
         return Choice(pick, hits[best], reason)
+
+
+    def hit(self, replica: Replica, prompt: PromptHashes) -> int:
+        """The replica's hit as this router counts it: the device's, and with ``host_cost`` its host tier's
+        too, at the discount ``host_cost.HostHitCost`` derives from the load time."""
+        cost = self.host_cost
+        if cost is None:
+            return prefix_hit(replica, prompt)
+        device, both, loads = tiered_hit(replica, prompt)
+        if both == device or len(loads) != len(cost.block_bytes):   # not this deployment's layout: device only
+            return device
+        return cost.worth(device, both, loads)
 
 
 class RayPrefixTree(Router):
@@ -303,13 +358,14 @@ class RayPrefixTree(Router):
             self.tree.remove_tenants([replica.name])
 
 
-def make_router(name: str, seed: int = 0) -> Router:
+def make_router(name: str, seed: int = 0, host_cost: HostHitCost | None = None) -> Router:
+    """``host_cost``: the prefix router also scores replicas' host tiers (``host_cost``); the others ignore it."""
     if name == "round-robin":
         return RoundRobin()
     if name == "least-loaded":
         return LeastLoaded()
     if name == "prefix":
-        return PrefixAware(seed=seed)
+        return PrefixAware(seed=seed, host_cost=host_cost)
     if name == "ray-prefix-tree":
         return RayPrefixTree(seed=seed)
     raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
