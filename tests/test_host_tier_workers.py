@@ -70,7 +70,8 @@ BAD = [
     (dict(kv_stores=[(SLIDING, 1, (0, 1, 1))]), r"group 0 needs 3 distinct host units in \[0, 8\)"),
     (dict(kv_loads=[(FULL, (8,), 4)]), r"group 1 needs 1 distinct host units in \[0, 8\)"),
     (dict(kv_stores=[(FULL, 4, (0,))], kv_loads=[(FULL, (1,), 4)]), "device block 4 has two copies in one step"),
-    (dict(kv_stores=[(FULL, 4, (0,)), (FULL, 9, (0,))]), r"host units \[0\] are in two copies of one step"),
+    (dict(kv_stores=[(FULL, 4, (0,)), (FULL, 9, (0,))]), r"host units \[0\] are written by one copy of the step"),
+    (dict(kv_stores=[(FULL, 4, (0,))], kv_loads=[(FULL, (0,), 9)]), r"host units \[0\] are written by one copy"),
     (dict(kv_stores=[(FULL, 4)]), r"a copy must be a \(group, \.\.\.\) triple"),
     (dict(kv_loads=[(SLIDING, (0, 1, 2), 9)]), r"name blocks no composition has named: \[\(0, 9\)\]"),
 ]
@@ -85,6 +86,17 @@ def test_bad_copy_fields_are_refused_before_anything_changes(fields, message):
     with pytest.raises(ValueError, match=message):
         w.execute(step)
     assert w.request_ids == [] and not any(w.host.filled)      # not even the step's chunk was taken
+
+
+def test_two_requests_hitting_one_host_copy_in_one_step_both_load_it():
+    w = Worker("tiny-gemma3", block_size=4, num_blocks=16, num_host_blocks=8)
+    w.execute(first_step())
+    source = unit_rows(w, [4])
+    w.execute(StepInput(1, [], kv_stores=[(FULL, 4, (3,))]))
+    out = w.execute(StepInput(2, [], kv_loads=[(FULL, (3,), 8), (FULL, (3,), 9)]))
+    assert (out.transfers_done, out.transfers_failed) == ([8, 9], [])
+    assert all(torch.equal(r, s) for r, s in zip(unit_rows(w, [8]), source))
+    assert all(torch.equal(r, s) for r, s in zip(unit_rows(w, [9]), source))
 
 
 def test_copies_to_a_worker_without_a_host_pool_are_refused():

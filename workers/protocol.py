@@ -221,15 +221,17 @@ def check_compositions(compositions, widths, num_blocks: int) -> dict[int, dict[
 def check_transfers(stores, loads, widths, num_blocks: int, num_host_units: int) -> None:
     """The step's host-tier copies well formed: lists of triples, a known group, a real device block
     (``[1, num_blocks)``) and ``widths[group]`` distinct host units in ``[0, num_host_units)`` each; one
-    copy per device block and no host unit twice in one step. Whether a wide group's block is a named
-    composite is the worker's check (it knows the compositions)."""
+    copy per device block, and no host unit a store writes is in another copy of the step (two loads may
+    read one host copy: two requests hit it at once). Whether a wide group's block is a named composite is
+    the worker's check (it knows the compositions)."""
     if not stores and not loads:
         return
     if num_host_units == 0:
         raise ValueError("the step carries host-tier copies, but this worker has no host KV pool "
                          "(num_host_blocks=0)")
     blocks: set = set()
-    units: set = set()
+    written: set = set()     # host units stores write
+    read: set = set()        # host units loads read
     for name, items, at in (("kv_stores", stores, (1, 2)), ("kv_loads", loads, (2, 1))):
         if not isinstance(items, list):
             raise ValueError(f"{name} must be a list, got {type(items).__name__}")
@@ -247,11 +249,12 @@ def check_transfers(stores, loads, widths, num_blocks: int, num_host_units: int)
                                  f"[0, {num_host_units})")
             if block in blocks:
                 raise ValueError(f"{name}: copy {item!r}: device block {block} has two copies in one step")
-            if units.intersection(host):
-                raise ValueError(f"{name}: copy {item!r}: host units {sorted(units.intersection(host))} are in "
-                                 f"two copies of one step")
+            clash = written.intersection(host) if name == "kv_loads" else (written | read).intersection(host)
+            if clash:
+                raise ValueError(f"{name}: copy {item!r}: host units {sorted(clash)} are written by one copy of "
+                                 f"the step and in another")
             blocks.add(block)
-            units.update(host)
+            (written if name == "kv_stores" else read).update(host)
 
 
 def check_chunk_fields(chunk: ScheduledChunk, step_id: int, seen: set[str], num_groups: int, num_blocks: int,
