@@ -266,6 +266,12 @@ class FreeQueue:
                 passed.append(h)
             parent = h
             j += 1
+        while j < limit:                # past a fork (or a forgotten child) the request's own chain goes
+            h = hash_at(j)              # on: its evicted blocks are ghosts too (a session's chain behind a
+            if h not in ghosts:         # shared system prompt)
+                break
+            passed.append(h)
+            j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
             stamp, youngest, by_lru = ghosts[passed[-1]]    # again and again while it waits)
             missed = 0
