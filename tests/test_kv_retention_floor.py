@@ -133,6 +133,19 @@ def test_below_zero_the_tiers_get_another_try_once_the_evidence_covers_the_defic
     assert (f.follow_lru, f.credit, f.forgiven, f.switches, f.evidence) == (False, 0.0, 42.0, 2, 0)
 
 
+def test_below_zero_an_early_lru_advantage_weighs_against_the_tiers_only_down_to_minus_the_cap():
+    f = Floor(cap=100)                    # 16 tokens a block
+    f.admitted(0, 50, 1000)               # credit -48: LRU's order
+    f.tiers_vs_lru(-20)                   # a phase where LRU hit 320 tokens the tiers' order evicts first:
+    assert f.evidence == -100             # held against the tiers only down to -cap
+    f.tiers_vs_lru(9)                     # a later phase where LRU misses what the tiers would have kept:
+    f.admitted(10, 10, 1000)              # -100 + 144 = 44 < 46: LRU stays
+    assert (f.follow_lru, f.credit, f.evidence) == (True, -46.0, 44)
+    f.tiers_vs_lru(1)                     # 60 >= 44: the -44 is written off
+    f.admitted(10, 10, 1000)
+    assert (f.follow_lru, f.credit, f.forgiven, f.switches) == (False, 0.0, 44.0, 2)
+
+
 def sessions(count: int = 6, turns: int = 6):
     """Sessions taking turns round-robin: each turn is the whole history plus 16 (first) or 8 new tokens."""
     history = {s: [] for s in range(count)}
