@@ -42,11 +42,12 @@ while in charge, on chains its own order had evicted and the tiers' would have k
 the tiers' order would have evicted since the evidence last stood at ``-cap``): the manager trails LRU by
 more than the slack and the current overshoot only by what LRU provably lost to its own evictions. Over
 any stretch of admissions ``cap`` more: a past surplus (at most ``cap``, a pool's worth of tokens) is
-spent once, not forever. The credit only falls below zero at the admission that crosses it (at most that admission's loss, its prompt
-at worst) and while the real pool still lacks what the tiers evicted before the switch and LRU kept: that
-content leaves the shadow within one turnover of the free pool. The comparison is with LRU on the same
-admissions (same order, same running requests), not with another run. The overshoot's size is not bounded
-in advance: a loss is seen only when an admission needs what the tiers evicted earlier.
+spent once, not forever. The credit only falls below zero at the admission that crosses it (at most that
+admission's loss, its prompt at worst) and while the real pool still lacks what the tiers evicted before
+the switch and LRU kept: that content leaves the shadow within one turnover of the free pool. The
+comparison is with LRU on the same admissions (same order, same running requests), not with another run.
+The overshoot's size is not bounded in advance: a loss is seen only when an admission needs what the tiers
+evicted earlier.
 
 O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
 evicts; a comparison per block a hit takes back; the shadow holds at most one entry per free pool unit.
