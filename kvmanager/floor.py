@@ -21,8 +21,7 @@ the tiers' order would have evicted by then: a tier-1 or tier-2 block once more 
 since it was freed than waited ahead of it in its tier and the ones before; while those votes say
 youngest-first, a tier-3 chain once more were evicted since its release than were released after it (a
 proven batch: plus what tier 3 held then, as it goes after every chain). Counting every hit on a block the
-tiers' order merely ranks first held rag traces on LRU for good (2/rag/sliding at seed 336151821: 0.478
-against LRU's 0.483 and the tiers' 0.530). The
+tiers' order merely ranks first held rag traces on LRU for good (docs/design.md, Retention). The
 ``evidence`` adds the first (tokens) and subtracts the second, from the switch on, never below ``-cap``
 (as the credit never rises above ``cap``: a phase where LRU was right is not held against the tiers for
 good, so a later phase where LRU thrashes still brings them back); once it covers the deficit, the deficit
