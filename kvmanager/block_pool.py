@@ -29,7 +29,7 @@ NULL_BLOCK_ID = 0
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru",
-                 "pinned")
+                 "pinned", "due")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -42,6 +42,7 @@ class Block:
         self.order = 0             # its place in its free-queue bin
         self.bin = None            # the free-queue bin it waits in (meaningless while held)
         self.lru = None            # the free queue's LRU bin it waits in too (it holds a hash), or None
+        self.due = 0               # tiers 1 and 2: cached units evicted by the time their order reaches it
         self.pinned = False        # a host-tier copy of it is in flight: outside the free queue (``host_tier``)
 
     def __repr__(self) -> str:

@@ -17,9 +17,15 @@ as LRU does, so the credit cannot see the tiers doing better. What it can see, f
 where the tiers' order would have parted from LRU's on these same admissions (ARC's ghost hits): LRU
 **missing** a chain its own order evicted which the tiers' order would have kept (a tier-3 ghost evicted
 while following LRU, looked up while tier 3's votes say keep old chains), and LRU **hitting** a free block
-the tiers' order evicts first (tier 1 or 2, or tier 3 while those votes say youngest-first). The
-``evidence`` adds the first (tokens) and subtracts the second, from the switch on; once it covers the
-deficit, the deficit is written off (``forgiven``) and the tiers get another try. Where LRU never misses
+the tiers' order would have evicted by then: a tier-1 or tier-2 block once more cached units were evicted
+since it was freed than waited ahead of it in its tier and the ones before; while those votes say
+youngest-first, a tier-3 chain once more were evicted since its release than were released after it (a
+proven batch: plus what tier 3 held then, as it goes after every chain). Counting every hit on a block the
+tiers' order merely ranks first held rag traces on LRU for good (docs/design.md, Retention). The
+``evidence`` adds the first (tokens) and subtracts the second, from the switch on, never below ``-cap``
+(as the credit never rises above ``cap``: a phase where LRU was right is not held against the tiers for
+good, so a later phase where LRU thrashes still brings them back); once it covers the deficit, the deficit
+is written off (``forgiven``) and the tiers get another try. Where LRU never misses
 what it evicted, the tiers never come back. (An earlier rule, "LRU served fewer hit tokens in as many
 admissions as the tiers' last stretch", almost never fired where hit rates grow over a trace: zipf
 sessions warming up kept the floor on LRU for good after one transient dip, 0.595 against the tiers'
@@ -29,16 +35,18 @@ sessions warming up kept the floor on LRU for good after one transient dip, 0.59
 
     sum h_i >= sum l_i - SLACK * sum P_i - forgiven - overshoot_n,      overshoot_n = max(0, -credit_n)
 
-and each write-off is at most the evidence of its stretch, so ``forgiven`` is at most the tokens LRU
-itself missed, while in charge, on chains its own order had evicted and the tiers' would have kept (less
-what it hit that the tiers' order would have evicted): the manager trails LRU by more than the slack and
-the current overshoot only by what LRU provably lost to its own evictions. Over any stretch of admissions
-``cap`` more: a past surplus (at most ``cap``, a pool's worth of tokens) is spent once, not forever. The
-credit only falls below zero at the admission that crosses it (at most that admission's loss, its prompt
-at worst) and while the real pool still lacks what the tiers evicted before the switch and LRU kept: that
-content leaves the shadow within one turnover of the free pool. The comparison is with LRU on the same
-admissions (same order, same running requests), not with another run. The overshoot's size is not bounded
-in advance: a loss is seen only when an admission needs what the tiers evicted earlier.
+and each write-off is at most the evidence of its stretch, which is at most the positive part of it (the
+floor at ``-cap`` only drops negative evidence), so ``forgiven`` is at most the tokens LRU itself missed,
+while in charge, on chains its own order had evicted and the tiers' would have kept (less what it hit that
+the tiers' order would have evicted since the evidence last stood at ``-cap``): the manager trails LRU by
+more than the slack and the current overshoot only by what LRU provably lost to its own evictions. Over
+any stretch of admissions ``cap`` more: a past surplus (at most ``cap``, a pool's worth of tokens) is
+spent once, not forever. The credit only falls below zero at the admission that crosses it (at most that
+admission's loss, its prompt at worst) and while the real pool still lacks what the tiers evicted before
+the switch and LRU kept: that content leaves the shadow within one turnover of the free pool. The
+comparison is with LRU on the same admissions (same order, same running requests), not with another run.
+The overshoot's size is not bounded in advance: a loss is seen only when an admission needs what the tiers
+evicted earlier.
 
 O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
 evicts; a comparison per block a hit takes back; the shadow holds at most one entry per free pool unit.
@@ -140,8 +148,8 @@ class Floor:
 
     def tiers_vs_lru(self, blocks: int) -> None:
         """Below the floor: the tiers' order would have served ``blocks`` more blocks' tokens than LRU did
-        (fewer, if negative)."""
-        self.evidence += blocks * self.block
+        (fewer, if negative); the evidence stays at or above ``-cap``."""
+        self.evidence = max(-self.cap, self.evidence + blocks * self.block)
 
     def report(self) -> dict:
         return {"admissions": self.admissions, "lru_share": self.lru_admissions / max(1, self.admissions),

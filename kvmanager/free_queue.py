@@ -43,8 +43,10 @@ the empty tier, then the content LRU does not hold, then LRU's own order: the fr
 once, rather than after a pool's turnover of recomputed blocks pushing out what LRU kept. An admission
 that got less than LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess
 such a hit proves wrong. Below the floor, lookups passing ghosts LRU's order evicted and hits on blocks the
-tiers' order evicts first tell the floor where the two orders would have parted (its evidence for giving
-the tiers another try).
+tiers' order would have evicted by then (``due``: counted in cached units evicted) tell the floor where the
+two orders would have parted (its evidence for giving the tiers another try). Ghosts are passed along the
+remembered chain and, past a fork, along the request's own: a session's chain behind a shared system
+prompt leaves the remembered one at the prompt's end.
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
@@ -76,7 +78,7 @@ DISTANCES = 64       # reuse distances kept for the horizon
 class Bin:
     """Free entries of one tier or one release batch: loose units and composites per kind, each in order."""
 
-    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young")
+    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young", "due")
 
     def __init__(self, widths: tuple[int, ...], stamp: int = 0, batches: OrderedDict | None = None):
         self.loose: OrderedDict[int, object] = OrderedDict()
@@ -86,6 +88,9 @@ class Bin:
         self.batches = batches      # tier 3: the batches it is one of (chains or proven); None for a tier
         self.counted = False        # tier 3: a hit on it was counted (once per batch)
         self.young = False          # tier 3: last visited youngest-first
+        # tier 3, youngest first: it goes once ``due`` plus the units released after it were evicted (cached
+        # units evicted when it was released; for proven blocks, plus tier 3's units then: they go last)
+        self.due = 0
 
     def entries(self) -> list:
         out = list(self.loose.values())
@@ -117,6 +122,7 @@ class FreeQueue:
         self.num_free_units = 0
         self._reusable_units = 0      # units waiting in tier 3
         self._clock = 0               # units ever released into tier 3: a batch's age is clock - stamp
+        self._evicted = 0             # cached units ever evicted (reused for new content), any tier
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
         # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
         self._cap = max(16, 2 * len(units))
@@ -149,8 +155,10 @@ class FreeQueue:
                 elif i in below_fork:
                     proven.append(block)
                 elif block.shared or i not in below_prompt_end:   # shared: consumed by a hit that
-                    self._push(block, tiers[UNREACHABLE])         # extended the chain
+                    block.due = self._evicted + tiers[UNREACHABLE].units    # extended the chain
+                    self._push(block, tiers[UNREACHABLE])
                 else:
+                    block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
                     self._push(block, tiers[SPECULATIVE])
             i += 1
         if proven:
@@ -188,8 +196,15 @@ class FreeQueue:
                 self._vote(1)
             if b.batches is self._chains:
                 self._distances.append(age)
-        if self.floor.follow_lru and (b.batches is None or self._votes >= THRESHOLD):
-            self.floor.tiers_vs_lru(-1)     # LRU kept it, the tiers' order evicts it first
+        if self.floor.follow_lru:           # LRU kept it; had the tiers' order evicted it by now?
+            if b.batches is None:           # tiers 1, 2: once what waited ahead of it went
+                due = block.due
+            elif self._votes >= THRESHOLD:  # youngest first: once every chain released after it went
+                due = b.due + self._clock - b.stamp
+            else:
+                due = None
+            if due is not None and self._evicted > due:
+                self.floor.tiers_vs_lru(-1)
         self._unlink(block)
         if block.block_hash is not None:
             self.floor.taken((block.group, block.block_hash))
@@ -265,6 +280,12 @@ class FreeQueue:
             if h in ghosts:
                 passed.append(h)
             parent = h
+            j += 1
+        while j < limit:                # past a fork (or a forgotten child) the request's own chain goes
+            h = hash_at(j)              # on: its evicted blocks are ghosts too (a session's chain behind a
+            if h not in ghosts:         # shared system prompt)
+                break
+            passed.append(h)
             j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
             stamp, youngest, by_lru = ghosts[passed[-1]]    # again and again while it waits)
@@ -412,6 +433,7 @@ class FreeQueue:
         """Take ``entry`` (visited in bin ``b``) for new content (a tier-3 entry with a hash leaves a ghost)."""
         if entry.block_hash is not None:
             self.floor.evicted = True
+            self._evicted += len(entry.units)
             tier = entry.bin
             if tier.batches is not None:
                 ghosts = self._ghosts
@@ -438,11 +460,13 @@ class FreeQueue:
     def _release_batches(self, chain: list, proven: list) -> None:
         """One release into tier 3: both batches get the same stamp; the chain goes first on a tie."""
         units = sum(len(x.units) for x in chain) + sum(len(x.units) for x in proven)
+        waiting = self._reusable_units
         self._clock += units
         self._reusable_units += units
         for blocks, batches in ((chain, self._chains), (proven, self._proven)):
             if blocks:
                 b = Bin(self.widths, self._clock, batches)
+                b.due = self._evicted + (waiting if batches is self._proven else 0)
                 for block in blocks:
                     self._push(block, b)
                 batches[id(b)] = b

@@ -354,6 +354,27 @@ def test_reusable_tier_is_lru_until_ghost_hits_show_lru_evicted_what_was_needed_
     assert q.ids() == [7, 6, 5]
 
 
+def test_sessions_behind_a_shared_system_prompt_vote_with_the_ghosts_past_its_fork():
+    # agent loops: every session's chain goes on from one shared prompt block ``s`` (a fork: only the
+    # first child, g1, is remembered), so a lookup that hits ``s`` and stops leaves the remembered chain
+    # at once; its own next block is the ghost LRU evicted, and it votes all the same
+    q = FreeQueue([], (1,))
+    sessions = _blocks(1, THRESHOLD, "g")
+    for b in sessions:
+        q.learn(b"s", b.block_hash)
+        _release(q, [b])                            # clock 1..4
+    for b in sessions:
+        assert q.take(0) == [b]                     # LRU: THRESHOLD ghosts
+    assert b"s" in q.forks
+    for b in _blocks(5, 4, "c"):
+        _release(q, [b])                            # clock 5..8
+    for b in sessions[:-1]:                         # each session's next turn hits ``s`` and stops
+        q.note_lookup([b"s", b.block_hash].__getitem__, 1, 2)
+    assert q.ids() == [5, 6, 7, 8]                  # THRESHOLD - 1 votes: still LRU
+    q.note_lookup([b"s", sessions[-1].block_hash].__getitem__, 1, 2)
+    assert q.ids() == [8, 7, 6, 5]                  # horizon 7, cut 1: youngest first
+
+
 def test_reusable_tier_a_chain_older_than_the_horizon_goes_first_even_when_keeping_old_chains():
     q = FreeQueue([], (1,))
     for lookup in _evicted_chains(q, 1, THRESHOLD):  # clock 4; distances 4 - 1 .. 4 - 4: horizon 3

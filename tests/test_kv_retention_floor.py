@@ -14,7 +14,9 @@ import os
 import sys
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager.block_pool import Block
 from kvmanager.floor import SLACK, Floor
+from kvmanager.free_queue import FreeQueue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
@@ -131,6 +133,33 @@ def test_below_zero_the_tiers_get_another_try_once_the_evidence_covers_the_defic
     f.tiers_vs_lru(2)                     # 48 >= 42: the -42 is written off
     f.admitted(10, 10, 1000)
     assert (f.follow_lru, f.credit, f.forgiven, f.switches, f.evidence) == (False, 0.0, 42.0, 2, 0)
+
+
+def test_below_zero_an_early_lru_advantage_weighs_against_the_tiers_only_down_to_minus_the_cap():
+    f = Floor(cap=100)                    # 16 tokens a block
+    f.admitted(0, 50, 1000)               # credit -48: LRU's order
+    f.tiers_vs_lru(-20)                   # a phase where LRU hit 320 tokens the tiers' order evicts first:
+    assert f.evidence == -100             # held against the tiers only down to -cap
+    f.tiers_vs_lru(9)                     # a later phase where LRU misses what the tiers would have kept:
+    f.admitted(10, 10, 1000)              # -100 + 144 = 44 < 46: LRU stays
+    assert (f.follow_lru, f.credit, f.evidence) == (True, -46.0, 44)
+    f.tiers_vs_lru(1)                     # 60 >= 44: the -44 is written off
+    f.admitted(10, 10, 1000)
+    assert (f.follow_lru, f.credit, f.forgiven, f.switches) == (False, 0.0, 44.0, 2)
+
+
+def test_below_zero_a_hit_counts_against_the_tiers_only_if_their_order_had_evicted_it_by_then():
+    q = FreeQueue([], (1,))
+    q.floor.follow_lru, q.floor.cap = True, 1000   # below the floor: LRU's order
+    a, b, d = (Block(i) for i in (1, 2, 3))
+    for x in (a, b, d):
+        x.block_hash = b"d%d" % x.block_id
+    q.add_dropped([a, b, d], 0, (), ())       # tier 1 (unreachable), 0, 1, 2 cached units ahead of each
+    assert q.take(0) == [d]                   # LRU: a drop releases from the window's edge backwards
+    q.remove(b)                               # one eviction: the tiers' order would have taken a, not b
+    assert q.floor.evidence == 0
+    q.remove(a)                               # ... but a: LRU kept a block the tiers would have evicted
+    assert q.floor.evidence == -16
 
 
 def sessions(count: int = 6, turns: int = 6):
