@@ -255,13 +255,18 @@ def events_of(pub: EventPublisher) -> list[tuple]:
              e.get("token_ids")) for e in decode_batch(pub._batches[-1][1])[1]]
 
 
-def test_a_store_to_host_is_announced_with_medium_cpu_once_fenced_and_a_host_eviction_removes_it():
-    # full attention + sliding window 4, blocks of 2 tokens; 8 device units, 8 host units
+def host_tier_setup():
+    """Full attention + sliding window 4, blocks of 2 tokens, 8 device units and 8 host units; its publisher
+    attached, and an empty index to follow it."""
     mgr = KVCacheManager([FullAttention(block_size=2), SlidingWindow(block_size=2, window=4)], num_blocks=9,
                          num_host_blocks=8, last_message_tokens=0, max_model_len=100)
     pub = EventPublisher(mgr.specs)
     pub.attach(mgr)
-    index = KVIndex()
+    return mgr, pub, KVIndex()
+
+
+def test_a_store_to_host_is_announced_with_medium_cpu_once_fenced_and_a_host_eviction_removes_it():
+    mgr, pub, index = host_tier_setup()
     follow(index, pub)
     a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8])                  # 4 blocks per group
     h = a.block_hashes(2)
@@ -318,11 +323,7 @@ def test_a_store_to_host_is_announced_with_medium_cpu_once_fenced_and_a_host_evi
 
 
 def test_a_restored_block_is_announced_on_the_device_with_its_tokens_and_a_reset_clears_both_media():
-    mgr = KVCacheManager([FullAttention(block_size=2), SlidingWindow(block_size=2, window=4)], num_blocks=9,
-                         num_host_blocks=8, last_message_tokens=0, max_model_len=100)
-    pub = EventPublisher(mgr.specs)
-    pub.attach(mgr)
-    index = KVIndex()
+    mgr, pub, index = host_tier_setup()
     a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8])
     h = a.block_hashes(2)
     mgr.allocate_slots(a, 8)
