@@ -54,6 +54,8 @@ class _BuiltModelInfo(TypedDict):
     eos_token_ids: list[int]        # the model's own EOS ids (generation_config.json / config)
     sliding_as_full: bool
     kv_memory_bytes: int            # per device
+    num_host_blocks: int            # host KV tier units (0: no tier)
+    kv_host_memory_bytes: int       # the host tier's bytes for the whole replica (0: no tier)
     tensor_parallel_size: int
     pipeline_parallel_size: int
     max_num_batched_tokens: int
