@@ -78,6 +78,8 @@ def test_the_prefix_router_picks_the_replica_a_brute_force_over_the_managers_pic
         for r, e in zip(replicas, engines):
             assert prefix_hit(r, PromptHashes(prompt)) == truth[r.rank] == e.manager.get_computed_blocks(
                 Request("probe", prompt))[1]
+        for r in replicas:      # each probe is a decision on idle replicas: no earlier probe's tokens
+            r.sent_tokens = 0   # queued (they would move a short hit to a shorter wait, by design)
         choice = router.choose(list(replicas), PromptHashes(prompt))
         assert choice.hit_tokens == truth[choice.replica.rank] == max(truth)
         assert choice.reason == ("best-hit" if max(truth) else "least-loaded")
