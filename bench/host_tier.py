@@ -87,7 +87,7 @@ class HostTierAdapter:
     scheduled (a hit with loads is allocated alone, its loads fenced, then its tokens). ``as_full``: the
     tier stores and requires whole blocks as if every layer were full attention (``HostTier.as_full``)."""
 
-    def __new__(cls, windows, num_blocks: int, host_units: int, units=None, speculative: bool = False,
+    def __new__(cls, windows, num_blocks: int, host_units: int, units=None, speculative: bool = True,
                 as_full: bool = False):
         from retention import SwakvAdapter
 
@@ -150,9 +150,9 @@ def grid_windows(layout: str, window: int) -> tuple:
 def hit_rates(args) -> None:
     from retention import FAMILIES, UNITS, SimAdapter, SwakvAdapter, draw_settings, pool_sizes, serve
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
-    if args.speculative:
-        print("window-aware columns with host_speculative_stores=True (also what no known hit needs, into free "
-              "host units only)")
+    if not args.speculative:
+        print("window-aware columns with host_speculative_stores=False (--known-hits-only: only what a known hit "
+              "needs is stored)")
     print(f"seed {seed} (--seed {seed} replays it); hit rate = prompt tokens served from either tier at first "
           f"admission / prompt tokens")
     print("per (draw, family, layout): the two tightest device pools of the retention bench; host tier of 1x, 4x "
@@ -242,8 +242,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--families", type=lambda s: s.split(","), default=["chat", "agent", "rag", "edit"])
     ap.add_argument("--layouts", type=lambda s: s.split(","), default=list(HIT_LAYOUTS))
-    ap.add_argument("--speculative", action="store_true",
-                    help="--hit-rates: the window-aware tier with host_speculative_stores=True")
+    ap.add_argument("--known-hits-only", dest="speculative", action="store_false",
+                    help="--hit-rates: the window-aware tier with host_speculative_stores=False (the default stores "
+                         "blocks no known hit needs too, into free host units only)")
     ap.add_argument("--report-from", type=lambda s: s.split(","), help="printed --hit-rates tables: count again")
     args = ap.parse_args()
     if args.report_from:

@@ -14,9 +14,9 @@ still need it and its hash is on host neither stored nor being stored:
   because it needs the room now; its blocks wait in the free queue as proven ones;
 - a block a running request's window drops: only if a hit below a fork of its chain or in the window
   below its prompt end (its last message) needs it, the free queue's own classes (``below_fork``,
-  ``below_end``); a dropped block of the unreachable class is never stored.
+  ``below_end``); a dropped block of the unreachable class is stored only speculatively (below).
 
-Optionally (``speculative``, off by default: it moves bytes no known hit needs) the other cached blocks
+Speculatively (``speculative``, on by default; off, only what a known hit needs moves) the other cached blocks
 (the unreachable class, windows below no known hit end) are stored too, only into free host units, never
 evicting anything, and first to go when room is needed: a fork is learnt only when a second request leaves
 the chain, so "no hit can need it" is a guess, and free host memory costs nothing but the copies (the
@@ -155,7 +155,7 @@ def _whole_prefix(group, request, cached, bound: int) -> int:
 class HostTier:
     """``num_units`` host units for the pool's groups (a block of a width-k group takes k units)."""
 
-    def __init__(self, coordinator, num_units: int, speculative: bool = False):
+    def __init__(self, coordinator, num_units: int, speculative: bool = True):
         self.coordinator = coordinator
         self.pool = coordinator.pool
         self.widths = self.pool.widths

@@ -36,14 +36,14 @@ class KVCacheManager:
     ``pop_compositions()``, before any table that uses it. ``last_message_tokens``: how far below a
     prompt's end the free queue expects a later prompt to fork (``free_queue.LAST_MESSAGE_TOKENS``).
     ``num_host_blocks``: host-memory units of the host tier (``host_tier``; 0, the default: no tier, and
-    no cost); ``host_speculative_stores``: also store blocks no known hit needs, into free host units only
-    (``host_tier``). With a tier the engine ships ``take_transfers()`` every step, reports copies with
+    no cost); ``host_speculative_stores`` (default on): also store blocks no known hit needs, into free host
+    units only, first to be evicted (``host_tier``); off, only what a known hit needs moves. With a tier the engine ships ``take_transfers()`` every step, reports copies with
     ``transfers_done``, and does not compute a request while ``is_loading`` says so.
     """
 
     def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,
                  max_model_len: int = 1 << 20, *, widths=None, last_message_tokens: int = LAST_MESSAGE_TOKENS,
-                 num_host_blocks: int = 0, host_speculative_stores: bool = False):
+                 num_host_blocks: int = 0, host_speculative_stores: bool = True):
         groups = list(groups)
         if not groups:
             raise ValueError("at least one KV-cache group spec is needed")
@@ -82,10 +82,11 @@ class KVCacheManager:
 
     @classmethod
     def from_layout(cls, layout, num_blocks: int, enable_prefix_caching: bool = True,
-                    max_model_len: int = 1 << 20, num_host_blocks: int = 0) -> "KVCacheManager":
+                    max_model_len: int = 1 << 20, num_host_blocks: int = 0,
+                    host_speculative_stores: bool = True) -> "KVCacheManager":
         """A manager for ``planning.kv_layout(...)``: one group per attention kind, its width in units."""
         return cls(layout.group_specs, num_blocks, enable_prefix_caching, max_model_len, widths=layout.group_widths,
-                   num_host_blocks=num_host_blocks)
+                   num_host_blocks=num_host_blocks, host_speculative_stores=host_speculative_stores)
 
     # -- queries -------------------------------------------------------------------------------
     @property

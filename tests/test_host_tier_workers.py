@@ -189,6 +189,18 @@ def test_the_serve_flag_takes_a_size_with_a_unit():
         build_parser().parse_args(["serve", "--kv-host-memory", "lots"])
 
 
+def test_speculative_stores_are_on_by_default_and_the_serve_flag_turns_them_off():
+    default = build_parser().parse_args(["serve", "--kv-host-memory", "1MiB"])
+    off = build_parser().parse_args(["serve", "--kv-host-memory", "1MiB", "--kv-host-known-hits-only"])
+    assert (default.kv_host_speculative_stores, off.kv_host_speculative_stores) == (True, False)
+    for flag in (True, False):
+        engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=32, kv_host_memory=1 << 20,
+                                 kv_host_speculative_stores=flag)
+        assert engine.manager.host_tier.speculative is flag
+    with pytest.raises(ValueError, match="kv_host_speculative_stores must be true or false, got 'no'"):
+        build_engine("tiny-gemma3", block_size=4, num_blocks=32, kv_host_speculative_stores="no")
+
+
 def test_plan_shows_the_host_units_window_aware_and_as_full():
     p = plan("gemma-3-27b", context=32768, kv_host_memory=64 << 30)
     wa, sf = p["window_aware"], p["sliding_as_full"]

@@ -256,10 +256,11 @@ def events_of(pub: EventPublisher) -> list[tuple]:
 
 
 def host_tier_setup():
-    """Full attention + sliding window 4, blocks of 2 tokens, 8 device units and 8 host units; its publisher
-    attached, and an empty index to follow it."""
+    """Full attention + sliding window 4, blocks of 2 tokens, 8 device units and 8 host units storing only
+    what known hits need; its publisher attached, and an empty index to follow it."""
     mgr = KVCacheManager([FullAttention(block_size=2), SlidingWindow(block_size=2, window=4)], num_blocks=9,
-                         num_host_blocks=8, last_message_tokens=0, max_model_len=100)
+                         num_host_blocks=8, last_message_tokens=0, max_model_len=100,
+                         host_speculative_stores=False)
     pub = EventPublisher(mgr.specs)
     pub.attach(mgr)
     return mgr, pub, KVIndex()

@@ -25,7 +25,8 @@ A = list(range(1, 9))                      # 8 tokens
 
 def hybrid(num_blocks=21, host=40, speculative=False):
     """Full attention + sliding window 3, block 1: 20 device units, ``host`` host units. No last-message
-    class (``last_message_tokens=0``): a resend's hit ends at the prompt end only."""
+    class (``last_message_tokens=0``): a resend's hit ends at the prompt end only. Without ``speculative``
+    only what a known hit needs is stored (the rules under test)."""
     return KVCacheManager([FullAttention(1), SlidingWindow(1, window=3)], num_blocks=num_blocks,
                           num_host_blocks=host, last_message_tokens=0, host_speculative_stores=speculative)
 
@@ -86,8 +87,10 @@ def test_release_stores_full_blocks_and_only_the_windows_a_hit_can_need():
     units_accounted(mgr, [])
 
 
-def test_with_speculative_stores_blocks_no_known_hit_needs_go_only_into_free_host_memory_and_first_out():
-    mgr = hybrid(host=24, speculative=True)
+def test_by_default_blocks_no_known_hit_needs_go_only_into_free_host_memory_and_first_out():
+    # hybrid()'s layout with the manager's default stores (speculative ones on)
+    mgr = KVCacheManager([FullAttention(1), SlidingWindow(1, window=3)], num_blocks=21, num_host_blocks=24,
+                         last_message_tokens=0)
     a = prefill_and_free(mgr, "a", A)
     t = mgr.take_transfers()
     # the 11 a hit needs, then sliding 0..4 (below no known hit end) into the 13 free units

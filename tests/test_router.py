@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cluster.engine.build import build_engine
 from cluster.engine.kv_events import EventPublisher
 from cluster.routing.replicas import ReplicaSet
 from cluster.routing.host_cost import HostHitCost
@@ -470,3 +471,26 @@ def test_over_both_tiers_the_router_finds_the_hit_and_the_loads_the_replicas_man
     for shared, text in probes:
         prompt = (SHARED[shared] if shared < len(SHARED) else []) + text or [0]
         assert tiered_hit(replica, PromptHashes(prompt)) == manager_hit(mgr, prompt)
+
+
+def test_a_served_prefix_router_learns_the_host_tiers_worth_from_the_replicas_model_info():
+    """The app's routers are made before any engine answers; the first replica's ``ready()`` info tells the
+    prefix router the host tier's discount (gemma-3-27b on H100s: an 8k hit on host only is worth 7,838
+    device tokens, docs/design.md), and nothing without a tier or on real workers."""
+    _, tiered = build_engine("gemma-3-27b", simulated_gpu="H100-80GB", kv_cache_memory=1 << 30,
+                             kv_host_memory=8 << 30)
+    router = make_router("prefix")
+    replicas = ReplicaSet(["r0", "r1"], "ns", router)
+    replicas._learn(replicas.replicas[0], tiered)
+    assert router.host_cost.block_bytes == (6_815_744, 1_310_720)
+    assert router.host_cost.worth(0, 8192, [64, 512]) == 7838
+    _, plain = build_engine("gemma-3-27b", simulated_gpu="H100-80GB", kv_cache_memory=1 << 30)
+    _, real = build_engine("tiny-llama", block_size=4, num_blocks=40, num_host_blocks=8)
+    for info in (plain, real):
+        untiered = make_router("prefix")
+        ReplicaSet(["r0"], "ns", untiered)._learn(Replica(0, "r0"), info)
+        assert untiered.host_cost is None
+    given = HostHitCost((1, 1), 1.0, lambda start, n: 1.0)
+    kept = PrefixAware(host_cost=given)
+    ReplicaSet(["r0"], "ns", kept)._learn(Replica(0, "r0"), tiered)
+    assert kept.host_cost is given

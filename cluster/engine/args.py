@@ -33,6 +33,10 @@ class EngineArgs:
     kv_cache_memory: int | None = _arg(None, "KV memory per device, e.g. 2GiB", size=True)
     kv_host_memory: int | None = _arg(None, "host memory for the host KV tier, this replica's workers together, "
                                             "e.g. 8GiB (pinned on GPUs; default: no host tier)", size=True)
+    kv_host_speculative_stores: bool = _arg(True, "host tier: store only the blocks a known hit needs (fewer "
+                                                  "bytes over PCIe); by default free host memory is also filled "
+                                                  "with the other cached blocks, which go first when room is "
+                                                  "needed", flag="--kv-host-known-hits-only")
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
     max_num_batched_tokens: int = _arg(512, "tokens computed per engine step (the chunked-prefill budget)")
     max_num_seqs: int = _arg(256, "requests running at once")
@@ -71,7 +75,8 @@ class EngineArgs:
             check_int("num_host_blocks", self.num_host_blocks, 0)
             if self.kv_host_memory:
                 raise ValueError("give kv_host_memory or num_host_blocks, not both")
-        for name in ("enable_prefix_caching", "spread_stages", "sliding_as_full", "async_scheduling", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "kv_host_speculative_stores", "spread_stages", "sliding_as_full",
+                     "async_scheduling", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("num_gpus_per_worker", "num_cpus_per_worker", "sleep_factor"):

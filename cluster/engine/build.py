@@ -93,7 +93,8 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
                                  vocab_size=plan["vocab_size"], async_scheduling=args.async_scheduling,
-                                 num_host_blocks=num_host_blocks, host_block_bytes=host_block_bytes),
+                                 num_host_blocks=num_host_blocks, host_block_bytes=host_block_bytes,
+                                 host_speculative_stores=args.kv_host_speculative_stores),
                     group_widths=layout.group_widths)
     model = plan["model"]
     path = model if isinstance(model, str) else type(model).__name__

@@ -66,6 +66,7 @@ class EngineConfig:
     vocab_size: int | None = None          # token ids must lie below it (checked before queueing)
     async_scheduling: bool = False         # schedule step N+1 while step N runs (executors with ``submit``)
     num_host_blocks: int = 0               # host units of the host KV tier (0: none)
+    host_speculative_stores: bool = True   # also fill free host units with blocks no known hit needs
     host_block_bytes: tuple[int, ...] = ()   # per group: bytes one of its blocks moves, all workers together
 
 
@@ -101,7 +102,8 @@ class Engine:
         self.manager = KVCacheManager(group_specs, num_blocks=num_blocks,
                                       enable_prefix_caching=self.config.enable_prefix_caching,
                                       max_model_len=self.config.max_model_len, widths=group_widths,
-                                      num_host_blocks=self.config.num_host_blocks)
+                                      num_host_blocks=self.config.num_host_blocks,
+                                      host_speculative_stores=self.config.host_speculative_stores)
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.metrics = EngineMetrics()
         self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)

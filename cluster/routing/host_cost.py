@@ -26,7 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Callable
 
-from kvmanager.planning import kv_layout
+from kvmanager.planning import as_full_attention, kv_layout
 from workers.sim.cost_model import StepCostModel
 from workers.sim.gpus import get_gpu
 from workers.sim.presets import get_model_preset
@@ -46,11 +46,14 @@ class HostHitCost:
 
     @classmethod
     def for_deployment(cls, model, gpu, block_size: int = 16, tensor_parallel_size: int = 1,
-                       pipeline_parallel_size: int = 1, link_bytes_per_s: float | None = None) -> "HostHitCost":
+                       pipeline_parallel_size: int = 1, link_bytes_per_s: float | None = None,
+                       sliding_as_full: bool = False) -> "HostHitCost":
         """From the model and GPU presets: ``kv_layout``'s blocks, the GPU's host link (unless given),
         ``StepCostModel``'s prefill time."""
         preset, gpu = get_model_preset(model), get_gpu(gpu)
-        layout = kv_layout(preset.layer_specs(block_size), pipeline_parallel_size, tensor_parallel_size)
+        specs = preset.layer_specs(block_size)
+        layout = kv_layout(as_full_attention(specs) if sliding_as_full else specs, pipeline_parallel_size,
+                           tensor_parallel_size)
         model_cost = StepCostModel(preset, gpu, tensor_parallel_size, pipeline_parallel_size)
 
         @lru_cache(maxsize=4096)
@@ -59,6 +62,16 @@ class HostHitCost:
 
         link = link_bytes_per_s if link_bytes_per_s is not None else gpu.host_link_bytes_per_s
         return cls(tuple(w * layout.block_bytes for w in layout.group_widths), link, prefill_s)
+
+    @classmethod
+    def from_info(cls, info) -> "HostHitCost | None":
+        """For the replica whose ``ready()`` info this is; None without a host tier, or on real workers: the
+        cost model knows the presets' GPUs only, so a real deployment's router counts device hits alone."""
+        if not info.get("num_host_blocks") or not info.get("simulated_gpu"):
+            return None
+        return cls.for_deployment(info["model_path"], info["simulated_gpu"], info["block_size"],
+                                  info["tensor_parallel_size"], info["pipeline_parallel_size"],
+                                  sliding_as_full=info.get("sliding_as_full", False))
 
     def load_s(self, host_blocks) -> float:
         """Time to load ``host_blocks[g]`` blocks of each group onto one device."""

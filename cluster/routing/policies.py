@@ -201,6 +201,9 @@ class Router:
     def replica_up(self, replica: Replica) -> None:
         """The replica is (again) ready."""
 
+    def learn_model(self, info) -> None:
+        """A replica's model info (``ready()``), as each replica is first reached."""
+
 
 class RoundRobin(Router):
     name = "round-robin"
@@ -310,6 +313,11 @@ class PrefixAware(Router):
         self._next = pick.rank + 1
         return Choice(pick, hits[best], reason)
 
+
+    def learn_model(self, info) -> None:
+        """Score the replicas' host tiers unless ``host_cost`` was given: every replica serves one model."""
+        if self.host_cost is None:
+            self.host_cost = HostHitCost.from_info(info)
 
     def hit(self, replica: Replica, prompt: PromptHashes) -> int:
         """The replica's hit as this router counts it: the device's, and with ``host_cost`` its host tier's

@@ -74,10 +74,16 @@ class ReplicaSet:
     async def info(self, replica: Replica) -> ModelInfo:
         """The replica's model info (``ready``); learns its KV layout for the router."""
         info = await asyncio.wait_for(self.handle(replica).ready.remote(), CALL_TIMEOUT_S)
+        self._learn(replica, info)
+        return info
+
+    def _learn(self, replica: Replica, info: ModelInfo) -> None:
+        """What routing needs of a replica's model: its KV layout's hit rule, its step budget, and (for the
+        router) its host tier's worth."""
         if replica.rule is None and info.get("kv_groups"):
             replica.rule = HitRule(specs_from_metadata(info["kv_groups"]))
+            self.router.learn_model(info)
         replica.step_tokens = info.get("max_num_batched_tokens", replica.step_tokens)
-        return info
 
     # -- following the replicas ------------------------------------------------------------------
     def follow(self) -> None:
