@@ -106,11 +106,10 @@ class _EchoStage:
     def __init__(self, echo: EchoWorker):
         self.echo = echo
 
-    def check(self, step) -> None:
-        pass
-
-    def execute(self, step, hidden=None):
+    def execute(self, step, hidden=None, on_checked=None):
         from workers.protocol import StepOutput
+        if on_checked is not None:
+            on_checked()
         if self.echo.work_s:
             time.sleep(self.echo.work_s)
         return StepOutput(step.step_id, {"req-0": len(step.chunks)})

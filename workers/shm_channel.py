@@ -36,6 +36,7 @@ import errno
 import mmap
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -131,7 +132,9 @@ class _Ring:
         self.stride = SLOT_HEADER_BYTES + handle.slot_bytes
         self.slots_at = 8 * (HEADER_WORDS + READER_WORDS * handle.num_readers)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setblocking(False)
+        self.sock.setblocking(False)      # stays so: ``sleep`` waits in poll, not in a timed recv
+        self.poller = select.poll()
+        self.poller.register(self.sock, select.POLLIN)
 
     @staticmethod
     def size(num_readers: int, slots: int, slot_bytes: int) -> int:
@@ -149,13 +152,8 @@ class _Ring:
                 return
 
     def sleep(self, seconds: float) -> None:
-        self.sock.settimeout(max(seconds, 1e-4))
-        try:
-            self.sock.recv(64)
-        except (TimeoutError, socket.timeout):
-            pass
-        finally:
-            self.sock.setblocking(False)
+        """Until a wake-up arrives (left queued: the caller's next ``drain`` reads it) or ``seconds`` pass."""
+        self.poller.poll(max(seconds, 1e-4) * 1e3)
 
     def wake(self, who: str) -> None:
         try:
@@ -405,7 +403,8 @@ class ShmReader:
         while time.monotonic() < spin_until:
             if words[4] != seq:
                 return
-        while True:
+        slept = False      # the writer's liveness and ``check`` wait for the first wake-up without a message:
+        while True:        # a reader that gets its message at once (every step of a busy server) pays neither
             words[self._sleeping] = 1
             _fence()                          # between the flag and the counter (see the docstring)
             ring.drain()
@@ -415,11 +414,11 @@ class ShmReader:
             if words[5]:
                 words[self._sleeping] = 0
                 raise ChannelClosed(f"channel {self.handle.name} was closed by its writer")
-            if not process_alive(words[6]):
+            if slept and not process_alive(words[6]):
                 words[self._sleeping] = 0
                 _unlink(self.handle.name)     # nobody else will: the name must not outlive the writer
                 raise ChannelError(f"channel {self.handle.name}: the writer (pid {words[6]}) died")
-            if check is not None:
+            if slept and check is not None:
                 try:
                     check()
                 except BaseException:
@@ -430,6 +429,7 @@ class ShmReader:
                 words[self._sleeping] = 0
                 raise ChannelTimeout(f"channel {self.handle.name}: no message for the timeout (reader {self.index})")
             ring.sleep(self.poll_s if deadline is None else min(self.poll_s, deadline - now))
+            slept = True
 
     def close(self) -> None:
         """Detach: a writer waiting on this reader then raises instead of waiting."""

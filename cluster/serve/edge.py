@@ -70,6 +70,32 @@ class ClientWatch:
             watcher.cancel()
 
 
+class QuietServer(uvicorn.Server):
+    """uvicorn's server ticking once a second, not ten times: its tick refreshes the Date header (one-second
+    resolution) and looks for a stop, and ``stop`` now wakes it at once, so an idle edge need not wake more."""
+
+    _wake: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 10) % 864000    # on_tick refreshes the Date header when counter % 10 == 0
+            try:
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def request_stop(self) -> None:
+        """From any thread: stop accepting and end (after open responses, within the graceful bound)."""
+        self.should_exit = True
+        if self._wake is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:   # the loop has ended already
+                pass
+
+
 def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A listening socket on ``host:port``; ``reuse_port`` lets several edges share it (the kernel spreads
     connections over them); without it, a port in use is an error rather than a silent share."""
@@ -96,7 +122,7 @@ class HTTPEdge:
         self.server = OpenAIServer(*server_args)
         config = uvicorn.Config(ClientWatch(make_app(self.server)), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=GRACEFUL_S, backlog=2048)
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = QuietServer(config)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(sock,), name="http-edge", daemon=True)
         self.thread.start()
@@ -120,6 +146,6 @@ class HTTPEdge:
 
     def stop(self, timeout_s: float = GRACEFUL_S + 5) -> bool:
         """Stop accepting, let open responses end (within uvicorn's graceful bound); True when it stopped."""
-        self.uvicorn.should_exit = True
+        self.uvicorn.request_stop()
         self.thread.join(timeout_s)
         return not self.thread.is_alive()

@@ -11,7 +11,8 @@ Errors travel the same way, in order: a step a worker refuses (``RequestError``,
 changed) or fails goes down the links as the exception itself, the later stages skip the step, and the
 last stage's rank 0 replies with it; the engine raises it, so it keeps its type and request id. A step
 that asks for an acknowledgement (``ACK``: the engine's ``submit``, which must know the workers took the
-step before it schedules the next) is checked first and acknowledged before it runs.
+step before it schedules the next) is acknowledged by the worker's ``execute`` once its checks passed
+(``on_checked``), so a step is checked once, not checked and then run.
 
 Frames: a 9-byte header (kind, the engine's sequence number of the step) then the body. Plain Python,
 no Ray: ``cluster.ray.worker_actor`` runs it in a worker actor.
@@ -109,10 +110,10 @@ class StepLoop:
         if failed is None:
             try:
                 step = decode_step(body)
-                if kind == STEP_ACK and self.replies is not None:
-                    self.worker.check(step)        # refused before it runs: the engine's submit raises it
-                    self.replies.send(frame(ACK, seq))
-                out = self.worker.execute(step, hidden)
+                ack = None
+                if kind == STEP_ACK and self.replies is not None:   # once its checks pass; a refusal
+                    ack = lambda: self.replies.send(frame(ACK, seq))   # before it: the engine's submit raises it
+                out = self.worker.execute(step, hidden, on_checked=ack)
             except Exception as exc:  # noqa: BLE001 - every failure goes to the engine, which decides
                 failed = dump_error(exc, self.name)
         if failed is not None:

@@ -160,13 +160,15 @@ class Worker:
         return list(self.mirrors.rows)
 
     # -- a step ---------------------------------------------------------------------------------------
-    def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None) -> StepOutput | torch.Tensor:
-        """Run one step: a ``StepOutput`` from the last stage, hidden states for the next stage otherwise."""
-        out = self.launch(step, hidden_states)
+    def execute(self, step: StepInput, hidden_states: torch.Tensor | None = None,
+                on_checked=None) -> StepOutput | torch.Tensor:
+        """Run one step: a ``StepOutput`` from the last stage, hidden states for the next stage otherwise.
+        ``on_checked``: called once the step passed its checks, before it changes anything."""
+        out = self.launch(step, hidden_states, on_checked=on_checked)
         return self.collect(out) if self.stage.is_last else out
 
     def launch(self, step: StepInput, hidden_states: torch.Tensor | None = None,
-               feedback: Sampled | None = None) -> PendingStep | torch.Tensor:
+               feedback: Sampled | None = None, on_checked=None) -> PendingStep | torch.Tensor:
         """Queue one step on the device without waiting for it: a ``PendingStep`` from the last stage, the
         hidden states for the next stage otherwise. ``feedback``: the draws a ``from_last_step`` chunk
         reads (by default this worker's own latest; an earlier pipeline stage gets the last stage's)."""
@@ -174,7 +176,7 @@ class Worker:
         if self.device.type == "cuda" and self.stage.is_last:
             started, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             started.record()
-        out = self.forward(step, hidden_states, feedback)
+        out = self.forward(step, hidden_states, feedback, on_checked)
         if not self.stage.is_last:
             return out
         sampling = [c for c in step.chunks if c.sample]
@@ -212,12 +214,14 @@ class Worker:
                           transfers_done=pending.copies[0], transfers_failed=pending.copies[1])
 
     def forward(self, step: StepInput, hidden_states: torch.Tensor | None = None,
-                feedback: Sampled | None = None) -> torch.Tensor:
+                feedback: Sampled | None = None, on_checked=None) -> torch.Tensor:
         """Logits of the sampling chunks' last tokens, then of the prompt rows to score (last stage; see
         ``Sampler.prompt_plan``), or hidden states (other stages)."""
         source = feedback if feedback is not None else self._last_sampled
         updates, compositions, fed = self._check(step, source)
         self._check_hidden(step, hidden_states)
+        if on_checked is not None:
+            on_checked()
         for request_id in step.forget:
             self.mirrors.forget(request_id)
             if self.sampler:

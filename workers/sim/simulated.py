@@ -127,15 +127,18 @@ class SimulatedWorker:
         return (block_id,) if self.widths[group] == 1 else self._members[group][block_id]
 
     # -- the step ------------------------------------------------------------------------------
-    def execute(self, step: StepInput, hidden_states: Any = None) -> StepOutput:
+    def execute(self, step: StepInput, hidden_states: Any = None, on_checked=None) -> StepOutput:
         """Check and apply one step; sample for chunks that ask. ``hidden_states`` (from an earlier
-        pipeline stage, when executors chain stages) carries nothing here and is ignored."""
+        pipeline stage, when executors chain stages) carries nothing here and is ignored. ``on_checked``:
+        called once the step passed every check (a refused step changed nothing and never calls it)."""
         undo: list = []
         try:
             self._apply(step, undo)
         except Exception:
             _rollback(undo)
             raise
+        if on_checked is not None:
+            on_checked()
         sampled = {c.request_id: self.sample(c) for c in step.chunks if c.sample}
         logprobs = {}
         for rid, token in sampled.items():

@@ -1,0 +1,51 @@
+"""The HTTP edge's uvicorn server (``QuietServer``), without Ray: it serves with a current Date header,
+wakes about once a second while idle (stock uvicorn ticks ten times a second), and a stop from another
+thread ends it at once rather than at its next tick."""
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import threading
+import time
+import urllib.request
+
+import uvicorn
+
+from cluster.serve.edge import QuietServer, bind
+
+
+async def hello(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"hi"})
+
+
+class Ticks(QuietServer):
+    ticks = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        self.ticks += 1
+        return await super().on_tick(counter)
+
+
+def test_an_idle_edge_ticks_about_once_a_second_serves_a_current_date_and_stops_when_told():
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = Ticks(uvicorn.Config(hello, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    assert server.started
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
+        assert r.read() == b"hi"
+        date = email.utils.parsedate_to_datetime(r.headers["date"]).timestamp()
+    assert abs(date - time.time()) < 3              # refreshed at each one-second tick, not frozen at start
+    before = server.ticks
+    time.sleep(2.5)
+    assert server.ticks - before <= 4               # stock uvicorn: 25 ticks in 2.5 s
+    server.request_stop()
+    thread.join(5)                                  # the stop wakes its wait (its tick is 1 s, not 5)
+    assert not thread.is_alive()
+    sock.close()
