@@ -127,16 +127,12 @@ class FreeQueue:
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
         # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
         self._cap = max(16, 2 * len(units))
-        self._protecting = False      # the last chain visited went before proven blocks LRU would evict first
         self.children: OrderedDict[bytes, bytes] = OrderedDict()   # parent hash -> its first child seen
         self.forks: OrderedDict[bytes, None] = OrderedDict()       # parents seen with two children
-        self._ghosts: OrderedDict[bytes, tuple[int, bool, bool, int]] = OrderedDict()  # hash -> (stamp,
-        # youngest-first, evicted while following LRU, its units: + a proven block's, - a chain's the
-        # protection of proven blocks evicted, 0 otherwise)
+        self._ghosts: OrderedDict[bytes, tuple[int, bool, bool]] = OrderedDict()  # hash -> (stamp,
+        # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
-        self._proven_units = 0        # units waiting in proven batches
-        self.protect = 0              # proven units kept after every chain in LRU order (ARC's target)
         self.fresh = False            # the last take's entries are loose units holding nothing
         empty = self._tiers[EMPTY]
         for unit in units:
@@ -295,14 +291,10 @@ class FreeQueue:
             passed.append(h)
             j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
-            stamp, youngest = ghosts[passed[-1]][:2]    # again and again while it waits)
-            missed = arc = 0
+            stamp, youngest, by_lru = ghosts[passed[-1]]    # again and again while it waits)
+            missed = 0
             for h in passed:
-                g = ghosts.pop(h)
-                missed += g[2]
-                arc += g[3]
-            if arc:     # needed shared content LRU's order evicted: protect more; chains it evicted: less
-                self.protect = max(0, min(self._cap // 2, self.protect + arc))
+                missed += ghosts.pop(h)[2]
             if missed and self.floor.follow_lru and self._votes >= THRESHOLD:
                 self.floor.tiers_vs_lru(missed)     # LRU evicted it, the tiers would have kept old chains
             distance = self._clock - stamp
@@ -398,7 +390,6 @@ class FreeQueue:
         chains youngest first, then the proven batches. Bins must not change while this runs. Below the
         floor (``floor.follow_lru``): the empty tier, then content plain LRU does not hold, then the rest in
         plain LRU order."""
-        self._protecting = False
         if self.floor.follow_lru:
             yield self._tiers[EMPTY]
             yield self._lru_out
@@ -411,21 +402,15 @@ class FreeQueue:
         chains, quick, proven = (iter(self._chains.values()), iter(self._quick.values()),
                                  iter(self._proven.values()))
         c, q, p = next(chains, None), next(quick, None), next(proven, None)
-        # LRU order: proven units beyond the ``protect`` newest ones (keeping old chains: every one)
-        exposed = self._proven_units - (self.protect if cut is None else 0)
         while True:                     # the three lists merged by stamp (a chain before proven on a tie)
             b = c
             if q is not None and (b is None or q.stamp < b.stamp):
                 b = q
-            if p is not None and exposed > 0 and (b is None or p.stamp < b.stamp):
+            if p is not None and (b is None or p.stamp < b.stamp):
                 b = p
             if b is None or (cut is not None and b.stamp >= cut):
                 break
             b.young = False
-            if b is p:
-                exposed -= b.units
-            else:
-                self._protecting = p is not None and exposed <= 0 and p.stamp < b.stamp
             yield b
             if b is c:
                 c = next(chains, None)
@@ -433,7 +418,6 @@ class FreeQueue:
                 q = next(quick, None)
             else:
                 p = next(proven, None)
-        self._protecting = False
         if c is not None:
             for b in reversed(self._chains.values()):
                 b.young = True
@@ -466,9 +450,7 @@ class FreeQueue:
             tier = entry.bin
             if tier.batches is not None:
                 ghosts = self._ghosts
-                n = len(entry.units)
-                arc = n if tier.batches is self._proven else -n if self._protecting else 0
-                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, arc)
+                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
@@ -485,8 +467,6 @@ class FreeQueue:
             self._lru_unlink(entry)
         if b.batches is not None:
             self._reusable_units -= n
-            if b.batches is self._proven:
-                self._proven_units -= n
             if not b.units:
                 del b.batches[id(b)]
 
@@ -508,7 +488,6 @@ class FreeQueue:
                 for block in blocks:
                     self._push(block, b)
                 batches[id(b)] = b
-        self._proven_units += sum(len(x.units) for x in proven)
 
     def _push(self, block, b: Bin, front: bool = False) -> None:
         queue = b.loose if block.kind < 0 else b.composites[block.kind]
