@@ -28,7 +28,11 @@ although LRU would have kept it (the distance to its release, in tier-3 units, w
 holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
 ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
 anything older than the horizon (the longest recent reuse distance) goes first: chains nobody came back
-for still age out. Proven blocks then go last.
+for still age out. A **quick** chain (one with a block whose last hit from tier 3 came within what tier 3
+held then: LRU's order would have served that reuse too) then goes after the other chains, the quick ones
+youngest first as well: youngest-first protects the long tail of a cyclic or Zipf reuse, and a hot
+session's chain, which comes back before tier 3 turns over, is what it would evict first. Proven blocks
+then go last.
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -424,10 +428,12 @@ class FreeQueue:
                 yield b
                 if b is c:
                     break
-        while q is not None:            # chains whose last reuse LRU would have served: oldest first
-            q.young = False
-            yield q
-            q = next(quick, None)
+        if q is not None:               # quick chains, also youngest first
+            for b in reversed(self._quick.values()):
+                b.young = True
+                yield b
+                if b is q:
+                    break
         while p is not None:
             p.young = False
             yield p

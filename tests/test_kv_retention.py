@@ -418,6 +418,45 @@ def test_proven_blocks_wait_apart_lru_with_chains_then_after_every_chain_when_ke
     assert q.ids() == [7, 5, 6]                     # chains youngest first, then the proven blocks
 
 
+def test_a_chain_whose_last_reuse_lru_would_have_served_goes_after_the_young_chains_when_keeping_old_ones():
+    # zipf's hot sessions: keeping old chains (youngest first) is right for the long tail, wrong for a
+    # session that comes back sooner than tier 3 turns over. Its chain goes after the young ones.
+    q = FreeQueue([], (1,))
+    for lookup in _evicted_chains(q, 1, THRESHOLD):  # THRESHOLD votes; clock 4, horizon 3
+        lookup()
+    (a,), (b,), (hot,) = _blocks(5, 1, "a"), _blocks(6, 1, "b"), _blocks(7, 1, "h")
+    for x in (a, b, hot):
+        _release(q, [x])                            # clock 5, 6, 7
+    assert q.ids() == [7, 6, 5]                     # youngest first
+    q.remove(hot)                                   # its session comes back: reuse distance 0, within
+    assert hot.quick                                # the 3 units tier 3 holds (LRU would have served it)
+    _release(q, [hot])                              # clock 8: the youngest chain, but a quick one
+    assert q.ids() == [6, 5, 7]                     # the young chains first, then the quick one
+    assert q.take(0) == [b]
+
+
+def test_a_chain_hit_after_lru_would_have_evicted_it_stays_among_the_young_chains():
+    # chat's cyclic sessions: the chain came back after more than tier 3 holds, so LRU would have missed
+    # it; keeping old chains is what served it, and its next release is evicted youngest first again.
+    q = FreeQueue([], (1,))
+    lookups = _evicted_chains(q, 1, THRESHOLD)      # ghosts g1..g4, clock 4
+    for x in _blocks(5, 4, "f"):
+        _release(q, [x])                            # clock 5..8
+    for _ in range(4):
+        q.take(0)                                   # LRU: tier 3 is empty again
+    for lookup in lookups:                          # distances 8 - 1 .. 8 - 4: horizon 7, THRESHOLD votes
+        lookup()
+    old = _blocks(9, 1, "o")[0]
+    _release(q, [old])                              # clock 9
+    for x in _blocks(10, 4, "n"):
+        _release(q, [x])                            # clock 10..13: cut 6, nothing past it
+    assert [q.take(0)[0].block_id for _ in range(2)] == [13, 12]    # youngest first: 3 units left
+    q.remove(old)                                   # reuse distance 13 - 9 = 4 > 3: LRU had evicted it
+    assert not old.quick
+    _release(q, [old])                              # clock 14: cut 7
+    assert q.ids() == [9, 11, 10]                   # youngest first: the chain just released goes first
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Composites: tiers apply to composites, and a dissolution takes from the lowest tier
 # ---------------------------------------------------------------------------------------------------------
