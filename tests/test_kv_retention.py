@@ -21,6 +21,11 @@ from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 from drivers import decode, ids, run_step
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+import retention as bench  # noqa: E402
+from retention_workloads import zipf  # noqa: E402
+
 
 def serve(mgr: KVCacheManager, req: Request, chunk: int, output=()) -> int:
     """One request alone: look up, prefill in chunks, decode ``output`` (its last token is sampled, never
@@ -464,9 +469,6 @@ def test_zipf_sessions_hot_chains_outlive_the_young_ones_and_the_manager_gets_th
     # full attention, 800 blocks. LRU (the bench's simulator, vLLM 0.33 dense's order) thrashes on the
     # tail; tier 3 turns to youngest-first, and the hot sessions' chains, quick, wait after the young ones.
     # Before the quick mark (commit 033567f) the manager got 86,736 hit tokens here.
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    import retention as bench
-    from retention_workloads import zipf
     trace = zipf(0, requests=160, sessions=24, restart=3000, first=(100, 400), message=(30, 200),
                  answer=(30, 200))
     swakv = bench.serve(trace, bench.SwakvAdapter((None,), 801), step_tokens=512, max_running=4)
