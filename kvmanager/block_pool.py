@@ -29,7 +29,7 @@ NULL_BLOCK_ID = 0
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru",
-                 "pinned", "due")
+                 "pinned", "due", "quick")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -43,6 +43,7 @@ class Block:
         self.bin = None            # the free-queue bin it waits in (meaningless while held)
         self.lru = None            # the free queue's LRU bin it waits in too (it holds a hash), or None
         self.due = 0               # tiers 1 and 2: cached units evicted by the time their order reaches it
+        self.quick = False         # its last hit from tier 3 came within tier 3's volume (``free_queue``)
         self.pinned = False        # a host-tier copy of it is in flight: outside the free queue (``host_tier``)
 
     def __repr__(self) -> str:
@@ -184,6 +185,7 @@ class BlockPool:
                 self.events.removed(block.group, block.block_hash)
         block.group = -1
         block.block_hash = None
+        block.quick = False
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only when no block is held (else False, nothing changes): a reset
@@ -191,7 +193,7 @@ class BlockPool:
         if self.free.num_free_units != self.num_blocks - 1:
             return False
         for block in self.blocks:
-            block.group, block.block_hash, block.shared = -1, None, False
+            block.group, block.block_hash, block.shared, block.quick = -1, None, False, False
         for cache in self._cached:
             cache.clear()
         self.free.forget()

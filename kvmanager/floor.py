@@ -20,7 +20,9 @@ while following LRU, looked up while tier 3's votes say keep old chains), and LR
 the tiers' order would have evicted by then: a tier-1 or tier-2 block once more cached units were evicted
 since it was freed than waited ahead of it in its tier and the ones before; while those votes say
 youngest-first, a tier-3 chain once more were evicted since its release than were released after it (a
-proven batch: plus what tier 3 held then, as it goes after every chain). Counting every hit on a block the
+proven batch: plus what tier 3 held then, as it goes after every chain; a quick chain, which goes after
+the others, is counted as an ordinary one: sooner than its order would reach it, which only lowers the
+evidence). Counting every hit on a block the
 tiers' order merely ranks first held rag traces on LRU for good (docs/design.md, Retention). The
 ``evidence`` adds the first (tokens) and subtracts the second, from the switch on, never below ``-cap``
 (as the credit never rises above ``cap``: a phase where LRU was right is not held against the tiers for

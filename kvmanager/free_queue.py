@@ -28,7 +28,11 @@ although LRU would have kept it (the distance to its release, in tier-3 units, w
 holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
 ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
 anything older than the horizon (the longest recent reuse distance) goes first: chains nobody came back
-for still age out. Proven blocks then go last.
+for still age out. A **quick** chain (one with a block whose last hit from tier 3 came within what tier 3
+held then: LRU's order would have served that reuse too) then goes after the other chains, the quick ones
+youngest first as well: youngest-first protects the long tail of a cyclic or Zipf reuse, and a hot
+session's chain, which comes back before tier 3 turns over, is what it would evict first. Proven blocks
+then go last.
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -116,6 +120,7 @@ class FreeQueue:
         self.floor = Floor(cap_tokens)
         self.floor.on_leave = self._left_shadow
         self._chains: OrderedDict[int, Bin] = OrderedDict()   # release batches, oldest first
+        self._quick: OrderedDict[int, Bin] = OrderedDict()    # chains whose last reuse LRU would have served
         self._proven: OrderedDict[int, Bin] = OrderedDict()
         self._back = 0
         self._front = 0
@@ -194,8 +199,10 @@ class FreeQueue:
             age = self._clock - b.stamp
             if age > self._reusable_units:      # LRU would have evicted it by now
                 self._vote(1)
-            if b.batches is self._chains:
+            if b.batches is not self._proven:
                 self._distances.append(age)
+        if b.batches is not None:
+            block.quick = self._clock - b.stamp <= self._reusable_units
         if self.floor.follow_lru:           # LRU kept it; had the tiers' order evicted it by now?
             if b.batches is None:           # tiers 1, 2: once what waited ahead of it went
                 due = block.due
@@ -396,17 +403,23 @@ class FreeQueue:
         cut = None
         if self._votes >= THRESHOLD:
             cut = self._clock - (max(self._distances) if self._distances else 0)
-        chains, proven = iter(self._chains.values()), iter(self._proven.values())
-        c, p = next(chains, None), next(proven, None)
-        while c is not None or p is not None:
-            older_chain = p is None or (c is not None and c.stamp <= p.stamp)
-            b = c if older_chain else p
-            if cut is not None and b.stamp >= cut:
+        chains, quick, proven = (iter(self._chains.values()), iter(self._quick.values()),
+                                 iter(self._proven.values()))
+        c, q, p = next(chains, None), next(quick, None), next(proven, None)
+        while True:                     # the three lists merged by stamp (a chain before proven on a tie)
+            b = c
+            if q is not None and (b is None or q.stamp < b.stamp):
+                b = q
+            if p is not None and (b is None or p.stamp < b.stamp):
+                b = p
+            if b is None or (cut is not None and b.stamp >= cut):
                 break
             b.young = False
             yield b
-            if older_chain:
+            if b is c:
                 c = next(chains, None)
+            elif b is q:
+                q = next(quick, None)
             else:
                 p = next(proven, None)
         if c is not None:
@@ -414,6 +427,12 @@ class FreeQueue:
                 b.young = True
                 yield b
                 if b is c:
+                    break
+        if q is not None:               # quick chains, also youngest first
+            for b in reversed(self._quick.values()):
+                b.young = True
+                yield b
+                if b is q:
                     break
         while p is not None:
             p.young = False
@@ -463,7 +482,12 @@ class FreeQueue:
         waiting = self._reusable_units
         self._clock += units
         self._reusable_units += units
-        for blocks, batches in ((chain, self._chains), (proven, self._proven)):
+        quick = False
+        for block in chain:
+            if block.quick:
+                quick = True
+                break
+        for blocks, batches in ((chain, self._quick if quick else self._chains), (proven, self._proven)):
             if blocks:
                 b = Bin(self.widths, self._clock, batches)
                 b.due = self._evicted + (waiting if batches is self._proven else 0)

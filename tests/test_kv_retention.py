@@ -9,7 +9,9 @@ ceil((W-1)/B) blocks below a hit's end).
 """
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
 
@@ -18,6 +20,11 @@ from kvmanager.block_pool import Block, BlockPool
 from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 from drivers import decode, ids, run_step
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+import retention as bench  # noqa: E402
+from retention_workloads import zipf  # noqa: E402
 
 
 def serve(mgr: KVCacheManager, req: Request, chunk: int, output=()) -> int:
@@ -416,6 +423,58 @@ def test_proven_blocks_wait_apart_lru_with_chains_then_after_every_chain_when_ke
     for lookup in lookups:                          # distances 6..3: horizon 6, cut 1, nothing past it
         lookup()
     assert q.ids() == [7, 5, 6]                     # chains youngest first, then the proven blocks
+
+
+def test_a_chain_whose_last_reuse_lru_would_have_served_goes_after_the_young_chains_when_keeping_old_ones():
+    # zipf's hot sessions: keeping old chains (youngest first) is right for the long tail, wrong for a
+    # session that comes back sooner than tier 3 turns over. Its chain goes after the young ones.
+    q = FreeQueue([], (1,))
+    for lookup in _evicted_chains(q, 1, THRESHOLD):  # THRESHOLD votes; clock 4, horizon 3
+        lookup()
+    (a,), (b,), (hot,) = _blocks(5, 1, "a"), _blocks(6, 1, "b"), _blocks(7, 1, "h")
+    for x in (a, b, hot):
+        _release(q, [x])                            # clock 5, 6, 7
+    assert q.ids() == [7, 6, 5]                     # youngest first
+    q.remove(hot)                                   # its session comes back: reuse distance 0, within
+    assert hot.quick                                # the 3 units tier 3 holds (LRU would have served it)
+    _release(q, [hot])                              # clock 8: the youngest chain, but a quick one
+    assert q.ids() == [6, 5, 7]                     # the young chains first, then the quick one
+    assert q.take(0) == [b]
+
+
+def test_a_chain_hit_after_lru_would_have_evicted_it_stays_among_the_young_chains():
+    # chat's cyclic sessions: the chain came back after more than tier 3 holds, so LRU would have missed
+    # it; keeping old chains is what served it, and its next release is evicted youngest first again.
+    q = FreeQueue([], (1,))
+    lookups = _evicted_chains(q, 1, THRESHOLD)      # ghosts g1..g4, clock 4
+    for x in _blocks(5, 4, "f"):
+        _release(q, [x])                            # clock 5..8
+    for _ in range(4):
+        q.take(0)                                   # LRU: tier 3 is empty again
+    for lookup in lookups:                          # distances 8 - 1 .. 8 - 4: horizon 7, THRESHOLD votes
+        lookup()
+    old = _blocks(9, 1, "o")[0]
+    _release(q, [old])                              # clock 9
+    for x in _blocks(10, 4, "n"):
+        _release(q, [x])                            # clock 10..13: cut 6, nothing past it
+    assert [q.take(0)[0].block_id for _ in range(2)] == [13, 12]    # youngest first: 3 units left
+    q.remove(old)                                   # reuse distance 13 - 9 = 4 > 3: LRU had evicted it
+    assert not old.quick
+    _release(q, [old])                              # clock 14: cut 7
+    assert q.ids() == [9, 11, 10]                   # youngest first: the chain just released goes first
+
+
+def test_zipf_sessions_hot_chains_outlive_the_young_ones_and_the_manager_gets_three_times_lrus_hits():
+    # The retention bench's zipf family, small: 24 sessions with Zipf popularity, 160 turns, 4 running,
+    # full attention, 800 blocks. LRU (the bench's simulator, vLLM 0.33 dense's order) thrashes on the
+    # tail; tier 3 turns to youngest-first, and the hot sessions' chains, quick, wait after the young ones.
+    # Before the quick mark (commit 033567f) the manager got 86,736 hit tokens here.
+    trace = zipf(0, requests=160, sessions=24, restart=3000, first=(100, 400), message=(30, 200),
+                 answer=(30, 200))
+    swakv = bench.serve(trace, bench.SwakvAdapter((None,), 801), step_tokens=512, max_running=4)
+    lru = bench.serve(trace, bench.SimAdapter((None,), 801, "lru"), step_tokens=512, max_running=4)
+    assert swakv["prompt_tokens"] == lru["prompt_tokens"] == 185_715
+    assert (swakv["hit_tokens"], lru["hit_tokens"]) == (91_344, 29_760)
 
 
 # ---------------------------------------------------------------------------------------------------------
