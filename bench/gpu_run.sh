@@ -18,6 +18,8 @@
 #   3. bench/step_overhead.py     the real worker's host time per decode step on the GPU (packing, launch
 #                                  eager or from graphs, waiting, device time)
 #   4. bench/attention_gpu.py     --sweep of kernel tile sizes at 32k, B = 32 and 128
+#   5. bench/host_tier_gpu.py     the host KV tier's CUDA path (pinned pages, side stream, events): greedy
+#                                  tokens after a restore equal recomputation, synchronous and asynchronous
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,18 +54,20 @@ if [ -n "$DRY" ]; then
         --out "$OUT/step_overhead.jsonl"
     part attention_sweep 120 $PY bench/attention_gpu.py --dry-run --no-flex --batches 3 --contexts 128 \
         --prefill 0 --sweep --out "$OUT/attention_sweep.jsonl"
+    part host_tier 120 $PY bench/host_tier_gpu.py --dry-run --models tiny-mistral --out "$OUT/host_tier_gpu.jsonl"
 else
     part attention 55 $PY bench/attention_gpu.py --no-flex --max-contiguous-gb 8 --out "$OUT/attention_gpu.jsonl"
-    part e2e 155 $PY bench/e2e_gpu.py --time-budget 120 --out "$OUT/e2e_gpu.jsonl"
+    part e2e 130 $PY bench/e2e_gpu.py --time-budget 100 --out "$OUT/e2e_gpu.jsonl"
     part step_overhead 40 $PY bench/step_overhead.py --worker --device cuda --requests 64 256 --prompt-len 1024 \
         --steps 16 --out "$OUT/step_overhead.jsonl"
     part attention_sweep 30 $PY bench/attention_gpu.py --no-flex --sweep --contexts 32768 --batches 32 128 \
         --prefill 0 --max-contiguous-gb 8 --out "$OUT/attention_sweep.jsonl"
+    part host_tier 30 $PY bench/host_tier_gpu.py --out "$OUT/host_tier_gpu.jsonl"
 fi
 
 {
     echo "== status"; cat "$OUT/status.txt"
-    for name in attention e2e step_overhead attention_sweep; do
+    for name in attention e2e step_overhead attention_sweep host_tier; do
         echo "== $name (tail)"
         tail -n 25 "$OUT/$name.log" 2>/dev/null
     done

@@ -29,7 +29,8 @@ def test_the_device_script_runs_dry_without_ray_or_msgpack_and_swakv_matches_tra
                           timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     status = (out / "status.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in status] == ["attention", "e2e", "step_overhead", "attention_sweep"]
+    assert [line.split(":")[0] for line in status] == ["attention", "e2e", "step_overhead", "attention_sweep",
+                                                      "host_tier"]
     assert all(": exit 0 " in line for line in status), status
 
     e2e = rows(out / "e2e_gpu.jsonl")
@@ -54,6 +55,10 @@ def test_the_device_script_runs_dry_without_ray_or_msgpack_and_swakv_matches_tra
     assert next(r for r in e2e if r.get("shared_prefix") == 24)["prefix_hit_rate"] > 0
     summary = next(r for r in e2e if r.get("summary"))
     assert {"over_hf_generate_batch", "over_hf_generate", "best_config"} <= set(summary)
+
+    host = rows(out / "host_tier_gpu.jsonl")      # sliding-only tiny-mistral, one step at a time and async
+    assert [(r["model"], r["async_scheduling"]) for r in host] == [("tiny-mistral", False), ("tiny-mistral", True)]
+    assert all(r["exact"] and r["zeroed_differs"] and r["blocks_loaded"] > 0 for r in host)
 
     kernel = [r for r in rows(out / "attention_gpu.jsonl") if "kind" in r]
     assert len(kernel) == 5 and all(r["triton_err"] < 1e-5 for r in kernel)
