@@ -490,6 +490,9 @@ def test_a_served_prefix_router_learns_the_host_tiers_worth_from_the_replicas_mo
         untiered = make_router("prefix")
         ReplicaSet(["r0"], "ns", untiered)._learn(Replica(0, "r0"), info)
         assert untiered.host_cost is None
+    unpriced = make_router("prefix")        # a model the cost model cannot price: device hits, not a failure
+    ReplicaSet(["r0"], "ns", unpriced)._learn(Replica(0, "r0"), {**tiered, "model_path": "no-such-model"})
+    assert unpriced.host_cost is None
     given = HostHitCost((1, 1), 1.0, lambda start, n: 1.0)
     kept = PrefixAware(host_cost=given)
     ReplicaSet(["r0"], "ns", kept)._learn(Replica(0, "r0"), tiered)

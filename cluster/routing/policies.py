@@ -30,6 +30,7 @@ text; load only breaks ties, as its imbalance threshold defaults to infinity), o
 """
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -43,6 +44,7 @@ from .kv_index import KVIndex
 from .prompt import PromptHashes
 
 ROUTERS = ("round-robin", "least-loaded", "prefix", "ray-prefix-tree")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -313,11 +315,14 @@ class PrefixAware(Router):
         self._next = pick.rank + 1
         return Choice(pick, hits[best], reason)
 
-
     def learn_model(self, info) -> None:
-        """Score the replicas' host tiers unless ``host_cost`` was given: every replica serves one model."""
+        """Score the replicas' host tiers unless ``host_cost`` was given: every replica serves one model. A
+        model the cost model cannot price leaves the router on device hits (and says so), never down."""
         if self.host_cost is None:
-            self.host_cost = HostHitCost.from_info(info)
+            try:
+                self.host_cost = HostHitCost.from_info(info)
+            except (ValueError, KeyError) as exc:
+                logger.warning("prefix router: scoring device hits only, the host tier's cannot be priced (%s)", exc)
 
     def hit(self, replica: Replica, prompt: PromptHashes) -> int:
         """The replica's hit as this router counts it: the device's, and with ``host_cost`` its host tier's
