@@ -27,40 +27,50 @@ import torch  # noqa: E402
 from cluster.engine.build import build_engine  # noqa: E402
 from cluster.engine.types import SamplingParams  # noqa: E402
 
-SESSION_A = [(5 * j + 3) % 256 for j in range(40)]
-SESSION_B = [(11 * j + 1) % 256 for j in range(40)]
-ONE_BY_ONE = [SESSION_A, SESSION_B, SESSION_A + [9, 9], SESSION_B + [7]]
-AT_ONCE = [SESSION_A + [1], SESSION_B + [2], SESSION_A + [3, 4], SESSION_B + [5, 6]]
-NEW_TOKENS = 6
-# device pools (blocks of 4 tokens) two blocks above what one request needs: the second session evicts the first
-POOLS = {"tiny-gemma3": 23, "tiny-mistral": 5, "tiny-llama4": 20}
+A = [(5 * j + 3) % 256 for j in range(40)]
+B = [(11 * j + 1) % 256 for j in range(40)]
+TURNS = [A, B, A + [9, 9], B + [7]]                           # one at a time
+TOGETHER = [A + [1], B + [2], A + [3, 4], B + [5, 6]]         # then all at once
+MAX_TOKENS = 6
+# Device pools (blocks of 4 tokens) two blocks above what one request needs: the second session's prefill
+# evicts the first's blocks. tests/test_host_tier_engine.py runs the same scenario on CPU.
+POOLS = {"default": 38, "tiny-gemma3": 23, "tiny-mistral": 5, "tiny-llama4": 20, "tiny-gemma2": 17}
+MODELS = ("tiny-gemma3", "tiny-mistral", "tiny-llama4")        # hybrid, sliding, chunked
 
 
-def turns(engine, zero_host: bool = False) -> list[list[int]]:
+def drain(engine, tokens: dict) -> None:
+    for _ in range(2000):
+        if not engine.has_work():
+            return
+        for u in engine.step():
+            tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+    raise RuntimeError("the engine did not finish")
+
+
+def run_turns(engine, before_turn=None) -> list[list[int]]:
+    """The turns one at a time, then the four requests at once; each request's tokens in that order."""
     tokens: dict = {}
+    for i, prompt in enumerate(TURNS):
+        if before_turn is not None:
+            before_turn(i, engine)
+        engine.add_request(f"turn{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        drain(engine, tokens)
+    for i, prompt in enumerate(TOGETHER):
+        engine.add_request(f"together{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
+    drain(engine, tokens)
+    return [tokens[f"turn{i}"] for i in range(len(TURNS))] + [tokens[f"together{i}"] for i in range(len(TOGETHER))]
 
-    def drain():
-        for _ in range(2000):
-            if not engine.has_work():
-                return
-            for u in engine.step():
-                tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
-        raise RuntimeError("the engine did not finish")
 
-    for i, prompt in enumerate(ONE_BY_ONE):
-        if zero_host and i == 2:              # both sessions stored, the follow-ups not yet loaded
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()      # no copy still writing the pages
-            for w in engine.executor.workers:
-                for pair in w.host.pairs:
-                    for t in pair:
-                        t.zero_()
-        engine.add_request(f"one{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS))
-        drain()
-    for i, prompt in enumerate(AT_ONCE):
-        engine.add_request(f"once{i}", prompt, SamplingParams(max_tokens=NEW_TOKENS))
-    drain()
-    return [tokens[f"one{i}"] for i in range(len(ONE_BY_ONE))] + [tokens[f"once{i}"] for i in range(len(AT_ONCE))]
+def zero_host_memory(turn, engine) -> None:
+    """Before turn 2 (both sessions stored, the follow-ups not yet loaded): every worker's host pages to 0."""
+    if turn != 2:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()              # no copy still writing the pages
+    for w in engine.executor.workers:
+        for pair in w.host.pairs:
+            for t in pair:
+                t.zero_()
 
 
 def engine_for(model: str, device: str, tier: bool, async_scheduling: bool):
@@ -74,7 +84,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dry-run", action="store_true", help="on CPU (the copies then run in order, no stream)")
-    p.add_argument("--models", type=lambda s: s.split(","), default=list(POOLS), help=",".join(POOLS))
+    p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS), help=",".join(POOLS))
     args = p.parse_args(argv)
     unknown = sorted(set(args.models) - set(POOLS))
     if unknown:
@@ -89,11 +99,11 @@ def main(argv=None) -> int:
         for model in args.models:
             for async_scheduling in (False, True):
                 t0 = time.perf_counter()
-                recomputed = turns(engine_for(model, device, False, async_scheduling))
+                recomputed = run_turns(engine_for(model, device, False, async_scheduling))
                 tiered_engine = engine_for(model, device, True, async_scheduling)
-                tiered = turns(tiered_engine)
+                tiered = run_turns(tiered_engine)
                 stats = tiered_engine.stats()
-                zeroed = turns(engine_for(model, device, True, async_scheduling), zero_host=True)
+                zeroed = run_turns(engine_for(model, device, True, async_scheduling), before_turn=zero_host_memory)
                 row = {"bench": "host_tier_gpu", "device": device,
                        "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                        "model": model, "async_scheduling": async_scheduling, "exact": tiered == recomputed,

@@ -37,8 +37,9 @@ class KVCacheManager:
     prompt's end the free queue expects a later prompt to fork (``free_queue.LAST_MESSAGE_TOKENS``).
     ``num_host_blocks``: host-memory units of the host tier (``host_tier``; 0, the default: no tier, and
     no cost); ``host_speculative_stores`` (default on): also store blocks no known hit needs, into free host
-    units only, first to be evicted (``host_tier``); off, only what a known hit needs moves. With a tier the engine ships ``take_transfers()`` every step, reports copies with
-    ``transfers_done``, and does not compute a request while ``is_loading`` says so.
+    units only, first to be evicted (``host_tier``); off, only what a known hit needs moves. With a tier
+    the engine ships ``take_transfers()`` every step, reports copies with ``transfers_done``, and does not
+    compute a request while ``is_loading`` says so.
     """
 
     def __init__(self, groups, num_blocks: int, enable_prefix_caching: bool = True,

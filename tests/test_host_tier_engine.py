@@ -11,7 +11,9 @@ loads in flight, and a worker whose host memory is gone, both fall back to recom
 from __future__ import annotations
 
 import functools
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -23,14 +25,9 @@ from cluster.engine.types import SamplingParams
 from cluster.ray.executors import RayExecutor
 from workers.models.tiny_models import build_tiny_model
 
-A = [(5 * j + 3) % 256 for j in range(40)]
-B = [(11 * j + 1) % 256 for j in range(40)]
-TURNS = [A, B, A + [9, 9], B + [7]]
-TOGETHER = [A + [1], B + [2], A + [3, 4], B + [5, 6]]
-MAX_TOKENS = 6
-# Device pools two blocks above what one request needs (``blocks_to_finish`` of 48 tokens): the second
-# session's prefill evicts the first's blocks.
-POOLS = {"default": 38, "tiny-gemma3": 23, "tiny-mistral": 5, "tiny-llama4": 20, "tiny-gemma2": 17}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from host_tier_gpu import MAX_TOKENS, POOLS, TOGETHER, TURNS, drain, run_turns, zero_host_memory  # noqa: E402
+# (the scenario is the GPU bench's, which runs it on CUDA)
 
 
 @functools.cache
@@ -38,29 +35,6 @@ def reference(model: str, prompt: tuple[int, ...]) -> list[int]:
     m = build_tiny_model(model, seed=0)
     out = m.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(prompt):].tolist()
-
-
-def drain(engine, tokens: dict) -> None:
-    for _ in range(2000):
-        if not engine.has_work():
-            return
-        for u in engine.step():
-            tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
-    raise AssertionError("the engine did not finish")
-
-
-def run_turns(engine, before_turn=None) -> list[list[int]]:
-    """The turns one at a time, then the four requests at once; each request's tokens in that order."""
-    tokens: dict = {}
-    for i, prompt in enumerate(TURNS):
-        if before_turn is not None:
-            before_turn(i, engine)
-        engine.add_request(f"turn{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
-        drain(engine, tokens)
-    for i, prompt in enumerate(TOGETHER):
-        engine.add_request(f"together{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
-    drain(engine, tokens)
-    return [tokens[f"turn{i}"] for i in range(len(TURNS))] + [tokens[f"together{i}"] for i in range(len(TOGETHER))]
 
 
 @functools.cache
@@ -110,14 +84,6 @@ def test_with_asynchronous_scheduling_a_restore_decodes_exactly_as_recomputed():
     assert run_turns(engine) == recomputed("tiny-gemma3")
     assert engine.stats()["kv_host_blocks_loaded"] > 0
     settled(engine)
-
-
-def zero_host_memory(turn, engine):
-    if turn == 2:        # after both sessions were stored, before the follow-ups load them
-        for w in engine.executor.workers:
-            for pair in w.host.pairs:
-                for t in pair:
-                    t.zero_()
 
 
 def test_the_loaded_bytes_are_what_attention_reads_zeroed_host_memory_changes_the_tokens():
