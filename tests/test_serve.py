@@ -333,6 +333,36 @@ def test_a_burst_of_requests_reaches_the_engine_in_one_ray_call(url):
     assert tokens == [greedy(tuple(p), 3) for p in prompts]
 
 
+def test_a_frontend_that_lags_gets_the_steps_it_missed_merged_into_one_record(url):
+    """The subscription keeps at most one record unread (Ray's generator backpressure): while the frontend's
+    event loop is busy, the engine goes on stepping and merges what it owes, so a lagging frontend gets one
+    record for many steps (one SSE event for many tokens) instead of a growing queue of one per step."""
+    from cluster.serve.feed import EngineFeed, next_item
+    prompt = [9, 8, 7, 6]
+
+    async def main():
+        handle = ray.get_actor(ENGINE, namespace=NAMESPACE)
+        feed = EngineFeed(handle, "lag-test")
+        _, key, queue = await feed.add("lag", prompt, {"max_tokens": 24}, None)
+        before = ray.get(handle.stats.remote(), timeout=30)
+        deadline = time.monotonic() + 60
+        while ray.get(handle.stats.remote(), timeout=30)["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)   # blocks this loop: the feed reads nothing until the request has finished
+        after = ray.get(handle.stats.remote(), timeout=30)
+        tokens, item = [], {"finished": False}
+        while not item["finished"]:
+            item = await asyncio.wait_for(next_item(queue), 60)
+            tokens += item["token_ids"]
+        feed.release(key)
+        feed.close()
+        return before, after, tokens
+
+    before, after, tokens = asyncio.run(main())
+    assert tokens == greedy(tuple(prompt), 24)
+    assert after["steps"] - before["steps"] >= 20               # the engine stepped on while nothing was read
+    assert after["stream_records"] - before["stream_records"] <= 2   # one unread, then the rest in one
+
+
 def test_unknown_route_and_nothing_left_behind(url):
     r = httpx.get(url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

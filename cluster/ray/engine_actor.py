@@ -12,10 +12,11 @@ async controller.
 
 Consumers. An HTTP frontend ``subscribe``s once (one long-lived Ray stream) and adds requests with
 ``add_request``: each record it receives holds every update of its requests since the last one, so the
-engine sends one Ray message per step per frontend, however many requests run (a frontend that lags
-gets the steps it missed merged in one record). ``generate`` streams one request (tests, scripts). The
-engine names each request itself, uniquely (the caller's id is only its label), so a retry that reuses
-a label can neither be aborted by its predecessor nor lose its stream. A consumer that goes away (a
+engine sends one Ray message per step per frontend, however many requests run (the frontend keeps at
+most one record unread, so one that lags gets the steps it missed merged in one record: ``feed.py``).
+``generate`` streams one request (tests, scripts). The engine names each request itself, uniquely (the
+caller's id is only its label), so a retry that reuses a label can neither be aborted by its predecessor
+nor lose its stream. A consumer that goes away (a
 closed ``generate``, a subscription whose frontend died) aborts its requests.
 
 Nothing one request does stops the loop. Its states, for readiness probes: ``starting``; ``ready``;

@@ -1,6 +1,12 @@
 """One HTTP frontend's subscription to one engine: every request's updates arrive in one Ray message
 per engine step and are sorted here into per-request queues (``EngineService.subscribe``).
 
+The stream holds at most one record this frontend has not read (Ray's generator backpressure, 1): when
+the frontend falls behind (many streams on a busy host), the engine keeps stepping and merges the steps
+it owes into its next record, so each stream gets one SSE event for several tokens instead of a queue
+that grows (vLLM's stream interval, chosen by the load). A frontend that keeps up sees one record per
+step; the price is that a record waits for the previous one's acknowledgement (one round trip).
+
 A request is added under a key this frontend picks, whose queue exists before the call goes out, so an
 update can never arrive for a request nobody waits on. The adds of one turn of the event loop (a burst
 of clients) travel together, in one ``add_requests`` call: one Ray message and one command between two
@@ -47,7 +53,8 @@ class EngineFeed:
         return self.error is None
 
     async def _follow(self) -> None:
-        stream = self.handle.subscribe.options(num_returns="streaming").remote(self.subscriber)
+        stream = self.handle.subscribe.options(num_returns="streaming", _generator_backpressure_num_objects=1)\
+            .remote(self.subscriber)
         try:
             while True:
                 record = await (await stream.__anext__())
