@@ -363,6 +363,37 @@ def test_a_frontend_that_lags_gets_the_steps_it_missed_merged_into_one_record(ur
     assert after["stream_records"] - before["stream_records"] <= 2   # one unread, then the rest in one
 
 
+@ray.remote
+class StalledFrontend:
+    """A frontend whose event loop stops reading its subscription after adding one long request."""
+
+    async def add(self, max_tokens: int) -> None:
+        from cluster.serve.feed import EngineFeed
+        self.feed = EngineFeed(ray.get_actor(ENGINE, namespace=NAMESPACE), "stalled-frontend")
+        await self.feed.add("stalled", [3, 4, 5, 6], {"max_tokens": max_tokens}, None)
+
+    async def stall(self) -> None:
+        time.sleep(600)   # blocks the loop: the engine's stream waits on the record it cannot hand over
+
+
+def test_a_frontend_that_dies_while_the_engine_waits_on_its_unread_record_has_its_requests_aborted(url):
+    """Backpressure must not pin a dead frontend's stream: the engine learns of the death, ends the stream and
+    aborts the request long before its 1,000 tokens."""
+    before = wait_idle()["finished"].get("length", 0)
+    frontend = StalledFrontend.remote()
+    ray.get(frontend.add.remote(1000), timeout=60)
+    frontend.stall.remote()
+    records = engine_stats()["stream_records"]
+    time.sleep(1.0)
+    stalled = engine_stats()
+    assert stalled["running"] == 1 and stalled["stream_records"] - records <= 1   # it waits, stepping on
+    ray.kill(frontend)
+    stats = wait_idle()
+    assert (stats["running"], stats["waiting"]) == (0, 0)
+    assert stats["finished"].get("length", 0) == before     # aborted, not run to its end
+    assert_still_serving(url)
+
+
 def test_unknown_route_and_nothing_left_behind(url):
     r = httpx.get(url + "/v1/nothing", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from bench.serving import stream_completion
+from bench.serving import cpu_per_token_us, references, stream_completion
 
 
 def _event(token_ids: list[int]) -> bytes:
@@ -72,3 +72,17 @@ def test_a_server_that_stops_answering_is_a_timeout_not_a_hang():
             return await stream_completion("127.0.0.1", server.sockets[0].getsockname()[1], b"{}", 0.5)
     out = asyncio.run(main())
     assert out.tokens == 1 and out.error == "no end within 0.5 s (1 tokens)" and not out.done
+
+
+def test_cpu_per_token_sums_the_server_processes_over_the_run():
+    run = {"server_cpu": [{"name": "ray::HTTPEdge", "cpu": 0.5}, {"name": "ray::EngineService", "cpu": 0.25}],
+           "wall_s": 2.0, "tokens": 1000}
+    assert cpu_per_token_us(run) == 1500.0    # 0.75 of a core for 2 s over 1,000 tokens
+
+
+def test_the_slept_itl_goal_is_also_read_against_the_in_process_engine_on_the_same_trace():
+    def cfg(served_itl):
+        return {"sleep_factor": 1, "runs": [{"streams": 64, "itl_p50": served_itl, "engine": {"itl_p50": 0.0234}}]}
+    assert references(cfg(0.0239)) == [("64 streams ITL p50 <= 1.1 x the in-process engine's 23.4 ms on this trace + 1 ms", True)]
+    assert references(cfg(0.0268))[0][1] is False     # 1.1 x 23.4 + 1 = 26.74 ms
+    assert references({**cfg(0.0239), "sleep_factor": 0}) == []
