@@ -335,7 +335,7 @@ def serve(workload: Workload, adapter, progress=None, *, step_tokens: int, max_r
                 stats["hit_tokens"] += hit
                 stats["prompt_tokens"] += len(live.prompt)
                 if timeline is not None:
-                    timeline.admit(live.rid, live.prompt, live.output)
+                    timeline.admit(live.rid, live.prompt, live.output, [x.rid for x in running])
             adapter.admitted(req, hit, live.index if first else -1)
             running.append(live)
             scheduled.append((live, n))
@@ -350,10 +350,10 @@ def serve(workload: Workload, adapter, progress=None, *, step_tokens: int, max_r
                 adapter.append(req, live.output[live.num_out])
                 live.num_out += 1
                 if live.num_out == len(live.output):
+                    if timeline is not None:
+                        timeline.finish(live.rid, [x.rid for x in running[:running.index(live)]])
                     adapter.free(req)
                     running.remove(live)
-                    if timeline is not None:
-                        timeline.finish(live.rid)
                     stats["requests"] += 1
                     if progress is not None:
                         progress.update(1)

@@ -2,31 +2,39 @@
 
 Why a bound needs a relaxation: a hit needs a whole prefix of blocks, the pool also holds the running
 requests' blocks, and when a block is computed depends on the schedule. What holds for *every* eviction
-policy, given the times at which requests are first admitted (``A``) and finish (``F``):
+policy, given the schedule of a run of ``retention.serve``: the order of first admissions (``A``), last
+finishes (``F``) and which requests ran at each (``Timeline``):
 
 1. A request ``c`` hits ``h`` tokens of full attention only if the ``h / B`` blocks below ``h`` are in the
    pool at ``A_c``; so its hit blocks are at most the blocks of its first ``(P_c - 1) // B`` whose copy is
-   in the pool then (the prefix constraint dropped), and only blocks some earlier request contains count.
+   in the pool then, and only blocks some earlier request contains count. (Dropping the prefix
+   constraint costs nothing: the blocks of one request have nested intervals, deeper ones longer, so an
+   optimum can always keep a prefix.)
 2. The copy of block ``p`` in the pool at ``A_c`` was computed at some time ``t <= A_c`` by a request ``r``
    whose tokens contain ``p``, while ``r`` ran: ``A_r <= t <= F_r`` (a preempted request recomputes within
    the same span: first admission to last finish). It stayed since, so ``p`` was in the pool throughout
    ``[min(F_r, A_c), A_c]``, which contains ``[T, A_c]`` with ``T = min(max F_r over the earlier
    requests containing p, A_c)``.
-3. The pool holds at most ``N`` distinct blocks at any time; just before ``r`` finishes, ``r`` itself holds
-   the full blocks of every token it computed, none of them a block of an interval open then (below), so
-   those intervals share what is left. What the other running requests hold depends on how far each got,
-   which the schedule's times do not say: left out (that only loosens the bound).
+3. The pool holds at most ``N`` blocks. At some points running requests provably hold blocks that are in
+   no interval open there: a request ``r'`` running at ``x`` (``A_r' < x < F_r'``) is in the max of 2. for
+   every later request, so intervals of its blocks open only after ``F_r'``. The serving loop gives the
+   points: just before ``r`` finishes, ``r`` holds every token it computed, and every request ahead of it in
+   the running list was given its whole remaining prefill in that step (the budget reached ``r``), so holds
+   its prompt's full blocks; at an admission, the budget reached the waiting queue, so every running
+   request holds its prompt's full blocks (less those ``c`` itself may hit: their intervals end there).
+   Distinct hashes count (two copies of one block are at least one block).
 
 So the hit blocks of a run are at most the largest set of such intervals (one per (request, block)) that
-no point of time is covered by more than ``N`` of: a maximum ``N``-colourable subgraph of an interval
-graph, which the greedy below finds exactly (sweep by start; when more than ``N`` are open, drop the one
-that ends last: Belady's rule; Carlson & Nemhauser 1966). Intervals of one block never overlap (each
-starts after the block's previous reference), so a block's copies never share room.
+no point covers more than its room: intervals packed under consecutive-ones constraints, which the greedy
+below solves exactly (sweep; where a point is over its room, drop the intervals that end last: Belady's
+rule, Carlson & Nemhauser 1966). Intervals of one block never overlap (each starts after the block's
+previous reference), so a block's copies never share room.
 
 What it does not bound: another schedule. A policy with other hits computes other tokens, so its
-requests finish, and the next ones are admitted, at other times; the bound is for the run whose times it
-is given (``Timeline``). Sliding windows: a hit of ``h`` needs only the window below ``h``, so its worth
-is not a sum over blocks and this relaxation does not apply (not built).
+requests finish, and the next ones are admitted, at other times and in another order; the bound is for
+the run whose schedule it is given. Sliding windows: a hit of ``h`` needs only the window below ``h``, so
+its worth is not a sum over blocks and this relaxation does not apply (not built). Hybrid layouts: the
+full group's bound, with the whole pool (every group's blocks) as its room.
 """
 from __future__ import annotations
 
@@ -36,19 +44,24 @@ from retention_sim import chain_hashes
 
 
 class Timeline:
-    """What a serving loop's run did, in event order: first admissions and last finishes."""
+    """A run's schedule, in event order: first admissions, last finishes, who ran at each."""
 
     def __init__(self):
         self.clock = 0
         self.requests: dict[str, list] = {}     # rid -> [A, F, tokens (prompt + answer), prompt length]
+        self.holds: list = []                   # (point, rid finishing or None, rids that hold their prompt)
 
-    def admit(self, rid: str, prompt, output) -> None:
+    def admit(self, rid: str, prompt, output, running=()) -> None:
+        """``running``: the requests running at this admission (each given its whole remaining prefill)."""
         self.clock += 1
         self.requests[rid] = [self.clock, None, list(prompt) + list(output), len(prompt)]
+        self.holds.append((self.clock, rid, tuple(running), False))
 
-    def finish(self, rid: str) -> None:
+    def finish(self, rid: str, ahead=()) -> None:
+        """``ahead``: the running requests scheduled before ``rid`` in its last step."""
         self.clock += 1
         self.requests[rid][1] = self.clock
+        self.holds.append((self.clock - 0.5, rid, tuple(ahead), True))
 
 
 def max_intervals(intervals, capacity: int, held=()) -> int:
@@ -89,11 +102,26 @@ def max_intervals(intervals, capacity: int, held=()) -> int:
     return kept
 
 
-def held_at_finish(timeline: Timeline, block_size: int) -> list[tuple[float, int]]:
-    """Just before request ``r`` finishes, it holds its computed tokens' full blocks (its own chain): none
-    of them is in an interval open then (a later request's interval of a block of ``r`` starts at ``F_r``
-    or later, an earlier request's ended before ``A_r``), so the intervals there share ``N`` minus those."""
-    return [(finish - 0.5, (len(tokens) - 1) // block_size) for _, finish, tokens, _ in timeline.requests.values()]
+def held(timeline: Timeline, block_size: int) -> list[tuple[float, int]]:
+    """Per point of 3. above, the distinct blocks running requests hold that no interval open there is."""
+    keys: dict = {}
+
+    def chain(rid):
+        if rid not in keys:
+            keys[rid] = chain_hashes(timeline.requests[rid][2], block_size)
+        return keys[rid]
+    out = []
+    for x, rid, running, finishing in timeline.holds:
+        blocks: set = set()
+        for r in running:
+            blocks.update(chain(r)[:timeline.requests[r][3] // block_size])
+        if finishing:      # every token it computed: all but the last answer token
+            blocks.update(chain(rid)[:(len(timeline.requests[rid][2]) - 1) // block_size])
+        else:              # the admitted request's own hittable prefix may be what they hold
+            blocks.difference_update(chain(rid)[:(timeline.requests[rid][3] - 1) // block_size])
+        if blocks:
+            out.append((x, len(blocks)))
+    return out
 
 
 def full_attention_intervals(timeline: Timeline, block_size: int) -> list[tuple[int, int]]:
@@ -117,4 +145,4 @@ def hit_token_bound(timeline: Timeline, capacity: int, block_size: int) -> int:
     """At most this many full-attention hit tokens at first admissions, for any policy with this schedule
     and a pool of ``capacity`` blocks."""
     return block_size * max_intervals(full_attention_intervals(timeline, block_size), capacity,
-                                      held_at_finish(timeline, block_size))
+                                      held(timeline, block_size))

@@ -42,34 +42,42 @@ def test_interval_solver_keeps_as_many_as_a_brute_force_over_every_subset(seed):
     assert max_intervals(intervals, capacity, held) == brute_force(intervals, capacity, held)
 
 
-def two_requests(b_admitted: int, a_finished: int) -> Timeline:
-    """``a``: 9 prompt tokens + 3 answer tokens (3 blocks of 4); ``b``: a's first 8 tokens and one more."""
-    t = Timeline()
-    t.requests["a"] = [1, a_finished, list(range(9)) + [90, 91, 92], 9]
-    t.requests["b"] = [b_admitted, 4, list(range(8)) + [50, 60], 9]
-    return t
+A = (list(range(9)), (90, 91, 92))            # 9 prompt tokens, 3 answer tokens: 3 blocks of 4
+B = (list(range(8)) + [50], (60,))             # a's first 8 tokens (2 blocks) and one more
+D = (list(range(200, 216)), (217,))            # 16 unrelated prompt tokens: 4 blocks
 
 
 def test_a_follow_up_hits_at_most_what_the_pool_can_keep_from_the_first_finish_to_its_admission():
-    # b comes after a finished: its two blocks must stay from a's finish (2) to b's admission (3)
-    assert hit_token_bound(two_requests(b_admitted=3, a_finished=2), 2, 4) == 8
-    assert hit_token_bound(two_requests(b_admitted=3, a_finished=2), 1, 4) == 4
-
-
-def test_blocks_the_finishing_request_holds_take_the_room_of_other_requests_blocks():
-    t = two_requests(b_admitted=3, a_finished=2)
-    t.requests["c"] = [2, 5, list(range(100, 121)), 21]   # running at a's finish? no: its finish is at 5
-    t.requests["d"] = [0, 2.4, list(range(200, 217)), 17]  # finishing at 2.4, holding 4 blocks at 1.9
-    # b's intervals [2, 3]: the point 1.9 is outside them, so d's four blocks take no room from them
+    t = Timeline()
+    t.admit("a", *A)            # 1
+    t.finish("a")               # 2: a holds its 2 computed blocks at 1.5
+    t.admit("b", *B)            # 3: b's two blocks must stay from 2 to 3
+    t.finish("b")
     assert hit_token_bound(t, 2, 4) == 8
-    t.requests["d"][1] = 2.9                               # now held at 2.4, inside b's intervals
-    assert hit_token_bound(t, 5, 4) == 4                   # 5 blocks - 4 held: room for one of b's two
+    assert hit_token_bound(t, 1, 4) == 4
+
+
+def test_requests_still_running_take_the_room_of_the_blocks_a_later_hit_needs():
+    t = Timeline()
+    t.admit("a", *A)                        # 1
+    t.admit("d", *D, running=["a"])         # 2
+    t.finish("a", ahead=[])                 # 3: a ahead of d, so d's prompt is not counted at 2.5
+    t.admit("b", *B, running=["d"])         # 4: d holds its prompt's 4 blocks while b's [3, 4] are open
+    t.finish("d", ahead=[])
+    t.finish("b", ahead=[])
+    assert hit_token_bound(t, 6, 4) == 8
+    assert hit_token_bound(t, 5, 4) == 4
     assert hit_token_bound(t, 4, 4) == 0
 
 
-def test_a_request_admitted_while_the_first_still_runs_needs_the_blocks_only_at_its_admission():
-    t = two_requests(b_admitted=2, a_finished=3)
-    assert hit_token_bound(t, 2, 4) == 8           # a's hold at 2.5 does not cover b's point interval [2, 2]
+def test_a_request_admitted_while_the_first_still_runs_may_hit_the_blocks_that_one_holds():
+    t = Timeline()
+    t.admit("a", *A)                        # 1
+    t.admit("b", *B, running=["a"])         # 2: b's intervals [2, 2]; a's held blocks are b's prefix
+    t.finish("a")
+    t.finish("b", ahead=[])
+    assert hit_token_bound(t, 2, 4) == 8
+    assert hit_token_bound(t, 1, 4) == 4
 
 
 SEARCHABLE = {   # (workload, layout): (seed, pool blocks per group) the exhaustive search finishes
