@@ -461,7 +461,8 @@ def run_unit(job) -> list[dict]:
             if timeline is not None and stats.get("hit_rate") is not None:
                 # the most any policy hits on this run's schedule (full attention; hybrid: its full group,
                 # the pool's every block its room)
-                stats["bound"] = hit_token_bound(timeline, num_blocks - 1, BLOCK) / stats["prompt_tokens"]
+                stats["bound"] = hit_token_bound(timeline, num_blocks - 1, BLOCK, [w for w in windows if w]) \
+                    / stats["prompt_tokens"]
             rows.append(dict(base, system=system, pool_per_group=pool, seconds=round(time.process_time() - t0, 2),
                              **stats, **adapter.report()))
     return rows
@@ -645,7 +646,8 @@ def exhaustive_best(workload: Workload, windows, num_blocks: int, max_nodes: int
         try:
             stats = serve(workload, adapter, step_tokens=TINY_STEP, max_running=TINY_RUNNING, timeline=timeline)
             if full:     # every complete run against the bound on its own schedule
-                over[0] = max(over[0], stats["hit_tokens"] - hit_token_bound(timeline, num_blocks - 1, TINY_BLOCK))
+                over[0] = max(over[0], stats["hit_tokens"] - hit_token_bound(
+                    timeline, num_blocks - 1, TINY_BLOCK, [w for w in windows if w]))
             return stats["hit_tokens"], stats["prompt_tokens"], None, None
         except Branch as b:
             bound = adapter.hit_tokens + sum(m for rid, m in max_hit.items() if rid not in admitted)

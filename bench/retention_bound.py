@@ -34,7 +34,9 @@ What it does not bound: another schedule. A policy with other hits computes othe
 requests finish, and the next ones are admitted, at other times and in another order; the bound is for
 the run whose schedule it is given. Sliding windows: a hit of ``h`` needs only the window below ``h``, so
 its worth is not a sum over blocks and this relaxation does not apply (not built). Hybrid layouts: the
-full group's bound, with the whole pool (every group's blocks) as its room.
+full group's bound, with the whole pool (every group's blocks) as its room, less the sliding group's
+window that each request of 3. holds (the blocks of its last ``W`` tokens computed); the sliding blocks a
+hit needs besides are left out (that only loosens the bound).
 """
 from __future__ import annotations
 
@@ -102,25 +104,38 @@ def max_intervals(intervals, capacity: int, held=()) -> int:
     return kept
 
 
-def held(timeline: Timeline, block_size: int) -> list[tuple[float, int]]:
-    """Per point of 3. above, the distinct blocks running requests hold that no interval open there is."""
+def held(timeline: Timeline, block_size: int, windows=()) -> list[tuple[float, int]]:
+    """Per point of 3. above, the distinct blocks running requests hold that no interval open there is;
+    ``windows``: the layout's sliding groups, whose blocks (the window below what each computed) are other
+    blocks of the same pool."""
     keys: dict = {}
 
     def chain(rid):
         if rid not in keys:
             keys[rid] = chain_hashes(timeline.requests[rid][2], block_size)
         return keys[rid]
+
+    def window(rid, lo, hi, w):
+        """Full blocks below ``lo`` within the window of every computed length in ``[lo, hi]``: held by the
+        sliding group whichever it is (a running request may be decoding past its prompt)."""
+        return chain(rid)[max(0, hi - w + 1) // block_size:lo // block_size]
     out = []
     for x, rid, running, finishing in timeline.holds:
         blocks: set = set()
-        for r in running:
-            blocks.update(chain(r)[:timeline.requests[r][3] // block_size])
+        spans = [(r, timeline.requests[r][3], len(timeline.requests[r][2]) - 1) for r in running]
+        for r, lo, _ in spans:
+            blocks.update(chain(r)[:lo // block_size])
         if finishing:      # every token it computed: all but the last answer token
-            blocks.update(chain(rid)[:(len(timeline.requests[rid][2]) - 1) // block_size])
+            n = len(timeline.requests[rid][2]) - 1
+            spans.append((rid, n, n))
+            blocks.update(chain(rid)[:n // block_size])
         else:              # the admitted request's own hittable prefix may be what they hold
             blocks.difference_update(chain(rid)[:(timeline.requests[rid][3] - 1) // block_size])
-        if blocks:
-            out.append((x, len(blocks)))
+        count = len(blocks)
+        for w in windows:
+            count += len({h for r, lo, hi in spans for h in window(r, lo, hi, w)})
+        if count:
+            out.append((x, count))
     return out
 
 
@@ -141,8 +156,8 @@ def full_attention_intervals(timeline: Timeline, block_size: int) -> list[tuple[
     return out
 
 
-def hit_token_bound(timeline: Timeline, capacity: int, block_size: int) -> int:
+def hit_token_bound(timeline: Timeline, capacity: int, block_size: int, windows=()) -> int:
     """At most this many full-attention hit tokens at first admissions, for any policy with this schedule
-    and a pool of ``capacity`` blocks."""
+    and a pool of ``capacity`` blocks (``windows``: a hybrid layout's sliding groups in the same pool)."""
     return block_size * max_intervals(full_attention_intervals(timeline, block_size), capacity,
-                                      held(timeline, block_size))
+                                      held(timeline, block_size, windows))

@@ -68,6 +68,9 @@ def test_requests_still_running_take_the_room_of_the_blocks_a_later_hit_needs():
     assert hit_token_bound(t, 6, 4) == 8
     assert hit_token_bound(t, 5, 4) == 4
     assert hit_token_bound(t, 4, 4) == 0
+    # hybrid, W 8: d's sliding group also holds the full blocks of its last 8 tokens (2 more blocks)
+    assert hit_token_bound(t, 8, 4, windows=[8]) == 8
+    assert hit_token_bound(t, 7, 4, windows=[8]) == 4
 
 
 def test_a_request_admitted_while_the_first_still_runs_may_hit_the_blocks_that_one_holds():
