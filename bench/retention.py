@@ -34,9 +34,13 @@ does), swakv, swakv / the better vLLM, and, on single-group layouts, a clairvoya
 that needed it in the unbounded run, the window below the hit's end for a sliding group). It is NOT an
 upper bound: a hit needs a whole run of blocks, which per-block next use ignores, and a bounded pool's
 shorter sliding hits need windows the unbounded run never used, so swakv can beat it (negative gaps);
-an exact optimum is only computed on tiny instances (``--oracle``). Last, swakv's floor: the share of
+an exact optimum is only computed on tiny instances (``--oracle``). Then, on layouts with full attention
+(full, hybrid), ``bound``: an upper bound on the hits of any eviction policy *with the schedule of
+swakv's run* (``retention_bound``: which requests were admitted and finished when; a policy with other
+hits runs another schedule, which it does not bound). Last, swakv's floor: the share of
 admissions at which its free queue followed plain LRU (``kvmanager/floor.py``). Then the losing cells,
-the issue's counts, and the gap to the clairvoyant heuristic per family. Without vLLM (run with the main
+the issue's counts (for each tight-pool miss: whether its target is above the clairvoyant heuristic, and
+above the bound), and the gap to the clairvoyant heuristic per family. Without vLLM (run with the main
 interpreter) the vLLM columns are replaced by the simulated LRU (``sim:lru``: vLLM dense's order), and the table says so.
 
     PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --jsonl out.jsonl    # a fresh draw

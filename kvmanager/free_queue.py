@@ -32,7 +32,11 @@ for still age out. A **quick** chain (one with a block whose last hit from tier 
 held then: LRU's order would have served that reuse too) then goes after the other chains, the quick ones
 youngest first as well: youngest-first protects the long tail of a cyclic or Zipf reuse, and a hot
 session's chain, which comes back before tier 3 turns over, is what it would evict first. Proven blocks
-then go last.
+then go last. In LRU order, chains and proven blocks are merged by release; **chains first** (still LRU
+among each) once lookups missed more proven blocks that the merged order evicted while a chain waited
+than chains-first would have cost chains' reuses (a chain hit after more proven units were evicted than
+chain units waited ahead of it; a chain it evicted, missed, weighs two): where chains never come back
+(one-off questions after shared documents or system prompts) they make room for what does.
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
