@@ -34,9 +34,13 @@ does), swakv, swakv / the better vLLM, and, on single-group layouts, a clairvoya
 that needed it in the unbounded run, the window below the hit's end for a sliding group). It is NOT an
 upper bound: a hit needs a whole run of blocks, which per-block next use ignores, and a bounded pool's
 shorter sliding hits need windows the unbounded run never used, so swakv can beat it (negative gaps);
-an exact optimum is only computed on tiny instances (``--oracle``). Last, swakv's floor: the share of
+an exact optimum is only computed on tiny instances (``--oracle``). Then, on layouts with full attention
+(full, hybrid), ``bound``: an upper bound on the hits of any eviction policy *with the schedule of
+swakv's run* (``retention_bound``: which requests were admitted and finished when; a policy with other
+hits runs another schedule, which it does not bound). Last, swakv's floor: the share of
 admissions at which its free queue followed plain LRU (``kvmanager/floor.py``). Then the losing cells,
-the issue's counts, and the gap to the clairvoyant heuristic per family. Without vLLM (run with the main
+the issue's counts (for each tight-pool miss: whether its target is above the clairvoyant heuristic, and
+above the bound), and the gap to the clairvoyant heuristic per family. Without vLLM (run with the main
 interpreter) the vLLM columns are replaced by the simulated LRU (``sim:lru``: vLLM dense's order), and the table says so.
 
     PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --jsonl out.jsonl    # a fresh draw
@@ -67,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow  # noqa: E402
 from retention_sim import Belady, Branch, Scripted, SimManager, SimRequest, Spec, chain_hashes  # noqa: E402
+from retention_bound import Timeline, hit_token_bound  # noqa: E402
 from retention_workloads import FAMILIES, Workload, agent, chat, siblings  # noqa: E402
 
 BLOCK = 16
@@ -254,8 +259,11 @@ class Live:
         self.index = -1            # first-admission order; -1 until admitted
 
 
-def serve(workload: Workload, adapter, progress=None, *, step_tokens: int, max_running: int) -> dict:
-    """Serve every turn of ``workload`` through ``adapter``; hits are counted at first admissions.
+def serve(workload: Workload, adapter, progress=None, *, step_tokens: int, max_running: int,
+          timeline=None) -> dict:
+    """Serve every turn of ``workload`` through ``adapter``; hits are counted at first admissions
+    (``timeline``: a ``retention_bound.Timeline`` that records when each request was first admitted and
+    finished, for the bound).
 
     Turns are released in arrival order while fewer than ``workload.backlog`` requests wait or run; a turn
     whose session has one in flight waits for it and joins the back of the queue when it finishes."""
@@ -330,6 +338,8 @@ def serve(workload: Workload, adapter, progress=None, *, step_tokens: int, max_r
                 admissions += 1
                 stats["hit_tokens"] += hit
                 stats["prompt_tokens"] += len(live.prompt)
+                if timeline is not None:
+                    timeline.admit(live.rid, live.prompt, live.output, [x.rid for x in running])
             adapter.admitted(req, hit, live.index if first else -1)
             running.append(live)
             scheduled.append((live, n))
@@ -344,6 +354,8 @@ def serve(workload: Workload, adapter, progress=None, *, step_tokens: int, max_r
                 adapter.append(req, live.output[live.num_out])
                 live.num_out += 1
                 if live.num_out == len(live.output):
+                    if timeline is not None:
+                        timeline.finish(live.rid, [x.rid for x in running[:running.index(live)]])
                     adapter.free(req)
                     running.remove(live)
                     stats["requests"] += 1
@@ -423,6 +435,7 @@ def run_unit(job) -> list[dict]:
                 concurrency=draw.concurrency, chunk=draw.chunk, workload_seed=draw.workload_seed)
     rows = []
     clairvoyant = layout in SINGLE_GROUP
+    bounded = None in windows and layout not in UNITS      # retention_bound: full attention's hits
     t0 = time.process_time()
     ceiling = SimAdapter(windows, None, record=clairvoyant)
     stats = serve(workload, ceiling, **kw)
@@ -444,10 +457,16 @@ def run_unit(job) -> list[dict]:
                 adapter = SimAdapter(windows, num_blocks, "lru")
             else:
                 adapter = SimAdapter(windows, num_blocks, Belady(ceiling.needs, ceiling.need_sets))
+            timeline = Timeline() if bounded and system in ("swakv", "clairvoyant", "sim:lru") else None
             try:
-                stats = serve(workload, adapter, **kw)
+                stats = serve(workload, adapter, **kw, timeline=timeline)
             except RuntimeError as exc:        # a request that fits nowhere: reported, not hidden
                 stats = dict(hit_rate=None, error=str(exc))
+            if timeline is not None and stats.get("hit_rate") is not None:
+                # the most any policy hits on this run's schedule (full attention; hybrid: its full group,
+                # the pool's every block its room)
+                stats["bound"] = hit_token_bound(timeline, num_blocks - 1, BLOCK, [w for w in windows if w]) \
+                    / stats["prompt_tokens"]
             rows.append(dict(base, system=system, pool_per_group=pool, seconds=round(time.process_time() - t0, 2),
                              **stats, **adapter.report()))
     return rows
@@ -508,8 +527,10 @@ def report(rows: list[dict]) -> dict:
         print(f"draw {d}: window {r0.get('drawn_window', '?')} (sliding, hybrid; gemma3 keeps its own 1024), concurrency "
               f"{r0['concurrency']}, chunk {r0['chunk']}, workload seed {r0['workload_seed']}")
     head = (f"{'draw':>4} {'family':<9}{'layout':<8}{'W':>5}{'blocks':>8}{'ceiling':>9}"
-            + "".join(f"{names[s]:>12}" for s in base) + f"{'swakv':>9}{'/ best':>9}{'clairv.*':>9}{'floor':>7}")
+            + "".join(f"{names[s]:>12}" for s in base) + f"{'swakv':>9}{'/ best':>9}{'clairv.*':>9}{'bound':>7}{'floor':>7}")
     print("(clairv.*: a clairvoyant heuristic, Belady on the unbounded run's hits: a reference, not an upper bound)")
+    print("(bound: retention_bound on swakv's own schedule, full-attention layouts: the most hit tokens any "
+          "policy gets with the same admission and finish times)")
     print(head)
     fam, lays = list(FAMILIES), list(LAYOUTS)
     cells = sorted(((r["draw"], r["family"], r["layout"], r["pool_per_group"]) for r in rows if r["system"] == "swakv"),
@@ -533,7 +554,7 @@ def report(rows: list[dict]) -> dict:
         if best is not None and sw.get("hit_rate") is not None:
             ratio = sw["hit_rate"] / best if best else (math.inf if sw["hit_rate"] else 1.0)
         line += f"{ratio:>8.2f}x" if ratio is not None else f"{'-':>9}"
-        line += _fmt(cl) + (f"{floor.get('lru_share', 0):>7.2f}" if floor else f"{'-':>7}")
+        line += _fmt(cl) + _fmt(sw.get("bound"), 7) + (f"{floor.get('lru_share', 0):>7.2f}" if floor else f"{'-':>7}")
         print(line)
         if sw.get("hit_rate") is None or best is None:
             errors.append(f"{d}/{f}/{lay}/{p}: {sw.get('error') or 'no baseline'}")
@@ -546,7 +567,12 @@ def report(rows: list[dict]) -> dict:
             if sw["hit_rate"] >= target - 1e-9:
                 goal_b += 1
             else:
-                short_b.append(f"draw {d} {f}/{lay}/{p}: {sw['hit_rate']:.3f} < {target:.3f}")
+                ub = sw.get("bound")
+                short_b.append((f"draw {d} {f}/{lay}/{p}: {sw['hit_rate']:.3f} < {target:.3f}"
+                                + (f"   clairv.* {cl:.3f}" if cl is not None else "")
+                                + (f"   bound {ub:.3f}" if ub is not None else ""),
+                                None if cl is None else target > cl + 1e-9,
+                                None if ub is None else target > ub + 1e-9))
         if cl is not None:
             gaps.setdefault(f, []).append((cl - sw["hit_rate"], cl - best))
     n_b = goal_b + len(short_b)
@@ -556,8 +582,14 @@ def report(rows: list[dict]) -> dict:
         print("  " + x)
     print(f"every cell >= the better of {bl} - {TOLERANCE}: {n_a - len(losing)} of {n_a}")
     print(f"two tightest pools, {', '.join(GOAL_FAMILIES)}: >= min(1.10 x the better, the ceiling): {goal_b} of {n_b}")
-    for x in short_b:
+    for x, _, _ in short_b:
         print("  " + x)
+    above_cl = [a for _, a, _ in short_b if a is not None]
+    above_ub = [a for _, _, a in short_b if a is not None]
+    print(f"  of these misses, target above the clairvoyant heuristic (not a bound): {sum(above_cl)} of "
+          f"{len(above_cl)} with one (single-group)")
+    print(f"  of these misses, target above the bound on swakv's own schedule (retention_bound: no policy "
+          f"with that schedule reaches it): {sum(above_ub)} of {len(above_ub)} with one (full attention, hybrid)")
     if errors:
         print(f"cells that did not run: {len(errors)}")
         for x in errors:
@@ -609,18 +641,23 @@ def exhaustive_best(workload: Workload, windows, num_blocks: int, max_nodes: int
             return live_cache[0]
         full = frozenset(g for g, w in enumerate(windows) if w is None)
         adapter = SimAdapter(windows, num_blocks, Scripted(choices, live, full), block_size=TINY_BLOCK)
+        timeline = Timeline()
         free, admitted = adapter.free, set()
         adapter.free = lambda req: (finished.add(req.request_id), live_cache.__setitem__(0, None), free(req))
         admit = adapter.admitted
         adapter.admitted = lambda req, hit, index: (index >= 0 and admitted.add(req.request_id),
                                                     admit(req, hit, index))
         try:
-            stats = serve(workload, adapter, step_tokens=TINY_STEP, max_running=TINY_RUNNING)
+            stats = serve(workload, adapter, step_tokens=TINY_STEP, max_running=TINY_RUNNING, timeline=timeline)
+            if full:     # every complete run against the bound on its own schedule
+                over[0] = max(over[0], stats["hit_tokens"] - hit_token_bound(
+                    timeline, num_blocks - 1, TINY_BLOCK, [w for w in windows if w]))
             return stats["hit_tokens"], stats["prompt_tokens"], None, None
         except Branch as b:
             bound = adapter.hit_tokens + sum(m for rid, m in max_hit.items() if rid not in admitted)
             return None, None, b.n, bound
 
+    over = [-math.inf]        # most hit tokens a complete run got above the bound on its own schedule
     best, prompt_tokens, nodes, stack = -1, 0, 0, [[]]
     while stack:
         choices = stack.pop()
@@ -633,7 +670,8 @@ def exhaustive_best(workload: Workload, windows, num_blocks: int, max_nodes: int
                 best, prompt_tokens = hits, total
         elif bound > best:
             stack.extend(choices + [i] for i in range(n - 1, -1, -1))
-    return {"hit_tokens": best, "prompt_tokens": prompt_tokens, "hit_rate": best / prompt_tokens, "runs": nodes}
+    return {"hit_tokens": best, "prompt_tokens": prompt_tokens, "hit_rate": best / prompt_tokens, "runs": nodes,
+            "over_bound": over[0] if over[0] > -math.inf else None}
 
 
 def run_oracle(seeds: int) -> list[dict]:

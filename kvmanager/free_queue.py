@@ -32,7 +32,11 @@ for still age out. A **quick** chain (one with a block whose last hit from tier 
 held then: LRU's order would have served that reuse too) then goes after the other chains, the quick ones
 youngest first as well: youngest-first protects the long tail of a cyclic or Zipf reuse, and a hot
 session's chain, which comes back before tier 3 turns over, is what it would evict first. Proven blocks
-then go last.
+then go last. In LRU order, chains and proven blocks are merged by release; **chains first** (still LRU
+among each) once lookups missed more proven blocks that the merged order evicted while a chain waited
+than chains-first would have cost chains' reuses (a chain hit after more proven units were evicted than
+chain units waited ahead of it; a chain it evicted, missed, weighs two): where chains never come back
+(one-off questions after shared documents or system prompts) they make room for what does.
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -82,7 +86,7 @@ DISTANCES = 64       # reuse distances kept for the horizon
 class Bin:
     """Free entries of one tier or one release batch: loose units and composites per kind, each in order."""
 
-    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young", "due")
+    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young", "due", "ahead")
 
     def __init__(self, widths: tuple[int, ...], stamp: int = 0, batches: OrderedDict | None = None):
         self.loose: OrderedDict[int, object] = OrderedDict()
@@ -95,6 +99,9 @@ class Bin:
         # tier 3, youngest first: it goes once ``due`` plus the units released after it were evicted (cached
         # units evicted when it was released; for proven blocks, plus tier 3's units then: they go last)
         self.due = 0
+        # tier 3, a chain: proven units evicted by its release, plus the chain units then waiting ahead of it
+        # (chains first would have evicted it once more proven units than that went)
+        self.ahead = 0
 
     def entries(self) -> list:
         out = list(self.loose.values())
@@ -137,6 +144,12 @@ class FreeQueue:
         # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
+        # Chains before proven blocks (while tier 3 is in LRU order): > 0 once lookups missed proven blocks
+        # LRU's merged order evicted while chains waited more often than chains-first would have lost a
+        # chain's reuse (a saturating counter, as ``_votes``)
+        self._tails = 0
+        self._chain_units = 0          # units waiting in chain batches (quick ones included)
+        self._proven_evicted = 0       # proven units ever evicted
         self.fresh = False            # the last take's entries are loose units holding nothing
         empty = self._tiers[EMPTY]
         for unit in units:
@@ -203,6 +216,10 @@ class FreeQueue:
                 self._distances.append(age)
         if b.batches is not None:
             block.quick = self._clock - b.stamp <= self._reusable_units
+            if (b.batches is not self._proven and self._tails <= 0 and not b.young
+                    and self._proven_evicted > b.ahead):
+                b.ahead = 1 << 62             # once per batch: chains first would have evicted it by now
+                self._tails = max(-VOTE_CAP, self._tails - PENALTY)
         if self.floor.follow_lru:           # LRU kept it; had the tiers' order evicted it by now?
             if b.batches is None:           # tiers 1, 2: once what waited ahead of it went
                 due = block.due
@@ -295,10 +312,16 @@ class FreeQueue:
             passed.append(h)
             j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
-            stamp, youngest, by_lru = ghosts[passed[-1]]    # again and again while it waits)
-            missed = 0
+            stamp, youngest, by_lru, _ = ghosts[passed[-1]]    # again and again while it waits)
+            missed = sides = 0
             for h in passed:
-                missed += ghosts.pop(h)[2]
+                _, _, lru, side = ghosts.pop(h)
+                missed += lru
+                sides |= 1 if side > 0 else 2 if side < 0 else 0
+            if sides & 1:
+                self._tails = min(VOTE_CAP, self._tails + 1)        # chains first would have kept it
+            if sides & 2:
+                self._tails = max(-VOTE_CAP, self._tails - PENALTY)  # LRU's merged order would have
             if missed and self.floor.follow_lru and self._votes >= THRESHOLD:
                 self.floor.tiers_vs_lru(missed)     # LRU evicted it, the tiers would have kept old chains
             distance = self._clock - stamp
@@ -400,6 +423,20 @@ class FreeQueue:
             yield self._lru_in
             return
         yield from self._tiers
+        if self._tails > 0 and self._votes < THRESHOLD:     # chains (LRU among them), then proven, by stamp
+            chains, quick = iter(self._chains.values()), iter(self._quick.values())
+            c, q = next(chains, None), next(quick, None)
+            while c is not None or q is not None:
+                if q is None or (c is not None and c.stamp < q.stamp):
+                    b, c = c, next(chains, None)
+                else:
+                    b, q = q, next(quick, None)
+                b.young = False
+                yield b
+            for b in self._proven.values():
+                b.young = False
+                yield b
+            return
         cut = None
         if self._votes >= THRESHOLD:
             cut = self._clock - (max(self._distances) if self._distances else 0)
@@ -456,7 +493,16 @@ class FreeQueue:
             tier = entry.bin
             if tier.batches is not None:
                 ghosts = self._ghosts
-                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru)
+                proven = tier.batches is self._proven
+                if proven:
+                    self._proven_evicted += len(entry.units)
+                side = 0       # which order of chains and proven blocks evicted it while the other waited
+                if not self.floor.follow_lru and self._votes < THRESHOLD:
+                    if proven and self._tails <= 0 and self._chain_units:
+                        side = 1
+                    elif not proven and self._tails > 0 and self._reusable_units > self._chain_units:
+                        side = -1
+                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
@@ -473,6 +519,8 @@ class FreeQueue:
             self._lru_unlink(entry)
         if b.batches is not None:
             self._reusable_units -= n
+            if b.batches is not self._proven:
+                self._chain_units -= n
             if not b.units:
                 del b.batches[id(b)]
 
@@ -487,12 +535,16 @@ class FreeQueue:
             if block.quick:
                 quick = True
                 break
+        chain_units = self._chain_units
         for blocks, batches in ((chain, self._quick if quick else self._chains), (proven, self._proven)):
             if blocks:
                 b = Bin(self.widths, self._clock, batches)
                 b.due = self._evicted + (waiting if batches is self._proven else 0)
+                b.ahead = self._proven_evicted + chain_units
                 for block in blocks:
                     self._push(block, b)
+                if batches is not self._proven:
+                    self._chain_units += b.units
                 batches[id(b)] = b
 
     def _push(self, block, b: Bin, front: bool = False) -> None:

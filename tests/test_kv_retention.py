@@ -425,6 +425,41 @@ def test_proven_blocks_wait_apart_lru_with_chains_then_after_every_chain_when_ke
     assert q.ids() == [7, 5, 6]                     # chains youngest first, then the proven blocks
 
 
+def test_proven_blocks_lru_evicted_while_a_chain_waited_and_looked_up_again_put_chains_first():
+    # rag: documents (proven, below forks) come back, the question tails (chains) never do. LRU's merged
+    # order evicts an old document before a younger tail; the lookup that misses it says chains first
+    # would have kept it, and from then on chains go before proven blocks (still LRU among each)
+    q = FreeQueue([], (1,))
+    (doc,), (tail,) = _blocks(1, 1, "p"), _blocks(2, 1, "c")
+    q.learn(b"sys", doc.block_hash)
+    _release(q, [doc], proven=True)                 # clock 1
+    _release(q, [tail])                             # clock 2
+    assert q.take(0) == [doc]                       # LRU: the older front first
+    q.note_lookup([b"sys", doc.block_hash].__getitem__, 0, 2)
+    (doc2,), (tail2,) = _blocks(3, 1, "p"), _blocks(4, 1, "c")
+    _release(q, [doc2], proven=True)                # clock 3
+    _release(q, [tail2])                            # clock 4
+    assert q.ids() == [2, 4, 3]                     # the chains, oldest first, then the proven block
+
+
+def test_a_chain_reused_after_proven_blocks_went_before_it_keeps_lrus_merged_order():
+    # a follow-up hits a chain released before a proven block was evicted: chains first would have
+    # evicted the chain instead, so that reuse weighs two votes against; one missed proven block does not
+    # turn the order then
+    q = FreeQueue([], (1,))
+    (doc,), (tail,) = _blocks(1, 1, "p"), _blocks(2, 1, "c")
+    q.learn(b"sys", doc.block_hash)
+    _release(q, [doc], proven=True)                 # clock 1
+    _release(q, [tail])                             # clock 2: no proven unit evicted yet, none ahead
+    assert q.take(0) == [doc]                       # one proven unit evicted since the chain's release
+    q.remove(tail)                                  # the chain's follow-up
+    q.note_lookup([b"sys", doc.block_hash].__getitem__, 0, 2)
+    (doc2,), (tail2,) = _blocks(3, 1, "p"), _blocks(4, 1, "c")
+    _release(q, [doc2], proven=True)                # clock 3
+    _release(q, [tail2])                            # clock 4
+    assert q.ids() == [3, 4]                        # LRU over both
+
+
 def test_a_chain_whose_last_reuse_lru_would_have_served_goes_after_the_young_chains_when_keeping_old_ones():
     # zipf's hot sessions: keeping old chains (youngest first) is right for the long tail, wrong for a
     # session that comes back sooner than tier 3 turns over. Its chain goes after the young ones.

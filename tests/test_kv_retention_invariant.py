@@ -159,6 +159,14 @@ class RetentionMachine(RuleBasedStateMachine):
             assert self.mgr.num_free_blocks == self.num_blocks - 1 - sum(self.widths[g] for g, _ in held)
 
     @invariant()
+    def tier_three_counts_what_its_batches_hold(self):
+        if hasattr(self, "mgr"):
+            free = self.mgr.pool.free
+            chains = sum(b.units for q in (free._chains, free._quick) for b in q.values())
+            assert free._chain_units == chains
+            assert free._reusable_units == chains + sum(b.units for b in free._proven.values())
+
+    @invariant()
     def every_memory_is_bounded_by_twice_the_pool(self):
         if hasattr(self, "mgr"):
             free = self.mgr.pool.free
