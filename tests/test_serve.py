@@ -383,6 +383,7 @@ def test_a_frontend_that_dies_while_the_engine_waits_on_its_unread_record_has_it
     frontend = StalledFrontend.remote()
     ray.get(frontend.add.remote(1000), timeout=60)
     frontend.stall.remote()
+    time.sleep(1.0)          # the stall has begun: what the feed had read before it is counted already
     records = engine_stats()["stream_records"]
     time.sleep(1.0)
     stalled = engine_stats()

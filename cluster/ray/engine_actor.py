@@ -16,8 +16,8 @@ engine sends one Ray message per step per frontend, however many requests run (t
 most one record unread, so one that lags gets the steps it missed merged in one record: ``feed.py``).
 ``generate`` streams one request (tests, scripts). The engine names each request itself, uniquely (the
 caller's id is only its label), so a retry that reuses a label can neither be aborted by its predecessor
-nor lose its stream. A consumer that goes away (a
-closed ``generate``, a subscription whose frontend died) aborts its requests.
+nor lose its stream. A consumer that goes away (a closed ``generate``, a subscription whose frontend died)
+aborts its requests.
 
 Nothing one request does stops the loop. Its states, for readiness probes: ``starting``; ``ready``;
 ``restarting`` (workers being replaced; requests wait); ``no_workers`` (a restart failed: requests are

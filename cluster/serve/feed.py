@@ -53,8 +53,8 @@ class EngineFeed:
         return self.error is None
 
     async def _follow(self) -> None:
-        stream = self.handle.subscribe.options(num_returns="streaming", _generator_backpressure_num_objects=1)\
-            .remote(self.subscriber)
+        stream = self.handle.subscribe.options(
+            num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.subscriber)
         try:
             while True:
                 record = await (await stream.__anext__())
