@@ -46,6 +46,8 @@ from cluster.engine.kv_events import EventPublisher, KVEventsReply
 from cluster.engine.scheduler import SequenceUpdate
 from cluster.engine.types import Load, ModelInfo, SamplingParams, StreamItem
 
+from .heap import freeze_startup_heap
+
 log = logging.getLogger("swakv.engine")
 
 ENGINE_ACTOR_NAME = "swakv-engine"
@@ -153,6 +155,7 @@ class EngineService:
         self.info["replica"] = self.rank
         if self._status == "starting":
             self._status, self._detail = "ready", ""
+        freeze_startup_heap()
         self._building.set_result(None)
 
     def _emit(self, updates: list[SequenceUpdate]) -> None:

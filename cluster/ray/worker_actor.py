@@ -9,6 +9,8 @@ from workers.protocol import StepOutput
 
 from cluster.engine.executor import make_worker
 
+from .heap import freeze_startup_heap
+
 
 class WorkerActor:
     """Built in two calls so that tensor-parallel ranks can first agree on a rendezvous: ``address`` (rank
@@ -48,6 +50,7 @@ class WorkerActor:
         loop in a thread until the engine closes them."""
         from workers.runtime.step_loop import StepLoop
         self._loop = StepLoop(self.worker, name, **rings)
+        freeze_startup_heap()
         threading.Thread(target=self._loop.run, name="swakv-step-loop", daemon=True).start()
 
     def execute(self, payload: bytes, hidden=None):

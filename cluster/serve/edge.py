@@ -19,6 +19,8 @@ import threading
 
 import uvicorn
 
+from cluster.ray.heap import freeze_startup_heap
+
 from .server import OpenAIServer, make_app
 
 STARTUP_TIMEOUT_S = 30.0
@@ -132,6 +134,7 @@ class HTTPEdge:
             self.thread.join(0.01)
         if not self.uvicorn.started:
             raise RuntimeError(f"the HTTP edge did not start on {host}:{port}: {self.error!r}")
+        freeze_startup_heap()
 
     def _run(self, sock: socket.socket) -> None:
         try:
