@@ -327,14 +327,15 @@ def modelled_decode_step_s(model: str, gpu: str, n: int, context: int) -> float:
 
 
 def in_process(prompts: list[list[int]], max_tokens: int, model: str, gpu: str, sleep_factor: float,
-               async_scheduling: bool = False) -> dict:
+               async_scheduling: bool = False, max_num_batched_tokens: int | None = None) -> dict:
     """The same requests, arriving together, on the engine with simulated workers in this process (the
-    server's defaults: block 16, 512 batched tokens, 256 sequences; no stop token, as ignore_eos)."""
+    server's defaults: block 16, 512 batched tokens unless given, 256 sequences; no stop token, as ignore_eos)."""
     from cluster.engine.args import EngineArgs
     from cluster.engine.build import build_engine
     from cluster.engine.types import SamplingParams
+    budget = {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     engine, _ = build_engine(EngineArgs(model, simulated_gpu=gpu, sleep_factor=sleep_factor,
-                                         async_scheduling=async_scheduling))
+                                         async_scheduling=async_scheduling, **budget))
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens))
@@ -428,7 +429,7 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
         in_process(make_prompts(1, args.prompt_len, rng), 4, args.model, args.gpu, 0.0)
         for n in args.streams:
             engine_alone[n] = in_process(traces[n], args.max_tokens, args.model, args.gpu, sleep_factor,
-                                         args.async_scheduling)
+                                         args.async_scheduling, args.max_num_batched_tokens)
             log(f"  in-process N={n}: {engine_alone[n]['tok_s']:.0f} tok/s")
     port = args.port or free_port()
     server_args = ["--model", args.model, "--simulated-gpu", args.gpu, "--frontend", frontend]
@@ -436,8 +437,10 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
         server_args += ["--sleep-factor", f"{sleep_factor:g}"]
     if args.async_scheduling:
         server_args += ["--async-scheduling"]
+    if args.max_num_batched_tokens is not None:
+        server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     server = Server(server_args, port, dict(kv.split("=", 1) for kv in args.server_env))
-    cfg = {"frontend": frontend, "sleep_factor": sleep_factor, "async_scheduling": args.async_scheduling, "server_env": args.server_env, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
+    cfg = {"frontend": frontend, "sleep_factor": sleep_factor, "async_scheduling": args.async_scheduling, "server_env": args.server_env, "max_num_batched_tokens": args.max_num_batched_tokens, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "runs": []}
     try:
         cfg["start_s"] = server.wait_ready(args.start_timeout)
@@ -515,8 +518,13 @@ def references(cfg: dict) -> list[tuple[str, bool]]:
     return out
 
 
+def budget_note(cfg: dict) -> str:
+    budget = cfg.get("max_num_batched_tokens")
+    return f", {budget} tokens a step" if budget is not None else ""
+
+
 def render(cfg: dict) -> str:
-    lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
+    lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}{budget_note(cfg)}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
              f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'work/st':>7} {'wait/st':>7} {'items/st':>8} {'req/add':>7} {'tok/ev':>6} "
@@ -569,12 +577,16 @@ def main() -> int:
                     help="environment of the server (and so of Ray's processes), e.g. a Ray Serve flag to try")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the server and the in-process engine schedule step N+1 while step N runs")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step's token budget of the server and the in-process engine (default: the server's)")
     ap.add_argument("--frontend", nargs="+", choices=("direct", "serve"), default=["direct"],
                     help="one server per frontend and sleep factor (swakv serve --frontend), side by side")
     ap.add_argument("--out", help="append the JSON lines here too")
     args = ap.parse_args()
     if any("=" not in kv for kv in args.server_env):
         ap.error("--server-env takes KEY=VALUE pairs")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        ap.error("--max-num-batched-tokens must be >= 1")
     if any(n < 1 for n in args.streams) or args.prompt_len < 1 or args.max_tokens < 2:
         ap.error("streams and prompt length must be >= 1, max tokens >= 2 (an ITL needs two tokens)")
     if any(f < 0 for f in args.sleep_factor) or args.idle_s <= 0 or args.idle_window <= 0:
