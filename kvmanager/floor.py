@@ -15,8 +15,9 @@ and the free queue follows the tiers while ``credit >= 0``, LRU's order otherwis
 LRU does not hold goes first, so the real free blocks become LRU's at once). Below zero the real pool hits
 as LRU does, so the credit cannot see the tiers doing better. What it can see, from the hashes alone, is
 where the tiers' order would have parted from LRU's on these same admissions (ARC's ghost hits): LRU
-**missing** a chain its own order evicted which the tiers' order would have kept (a tier-3 ghost evicted
-while following LRU, looked up while tier 3's votes say keep old chains), and LRU **hitting** a free block
+**missing** a chain its own order evicted which the tiers' order would have kept (tier-3 ghosts evicted
+while following LRU, in one run from a lookup's hit end: the blocks by which that hit would have been
+longer; looked up while tier 3's votes say keep old chains), and LRU **hitting** a free block
 the tiers' order would have evicted by then: a tier-1 or tier-2 block once more cached units were evicted
 since it was freed than waited ahead of it in its tier and the ones before; while those votes say
 youngest-first, a tier-3 chain once more were evicted since its release than were released after it (a

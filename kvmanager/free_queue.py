@@ -292,6 +292,15 @@ class FreeQueue:
             return
         parent = hash_at(j - 1)
         passed = []
+        # The floor's evidence: the blocks plain LRU evicted from tier 3 in one run from the hit's end, by
+        # which the hit would have been longer had it kept them. Behind a block neither cached nor such a
+        # ghost no hit reaches (an edit's cut point deep in a sliding history, whose interior no order kept)
+        missed = 0
+        run = True
+        if start == 0:
+            ghost = ghosts.get(parent)
+            run = ghost is not None and ghost[2]
+            missed = int(run)
         while j < limit:
             child = children.get(parent)
             if child is None:
@@ -301,22 +310,33 @@ class FreeQueue:
                 if parent not in self.forks:
                     self._fork(parent)
                 break
-            if h in ghosts:
+            ghost = ghosts.get(h)
+            if ghost is not None:
                 passed.append(h)
+            if run:
+                if ghost is not None and ghost[2]:
+                    missed += 1
+                else:
+                    run = False
             parent = h
             j += 1
         while j < limit:                # past a fork (or a forgotten child) the request's own chain goes
             h = hash_at(j)              # on: its evicted blocks are ghosts too (a session's chain behind a
-            if h not in ghosts:         # shared system prompt)
+            ghost = ghosts.get(h)       # shared system prompt)
+            if ghost is None:
                 break
             passed.append(h)
+            if run:
+                if ghost[2]:
+                    missed += 1
+                else:
+                    run = False
             j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
             stamp, youngest, by_lru, _ = ghosts[passed[-1]]    # again and again while it waits)
-            missed = sides = 0
+            sides = 0
             for h in passed:
-                _, _, lru, side = ghosts.pop(h)
-                missed += lru
+                side = ghosts.pop(h)[3]
                 sides |= 1 if side > 0 else 2 if side < 0 else 0
             if sides & 1:
                 self._tails = min(VOTE_CAP, self._tails + 1)        # chains first would have kept it

@@ -16,7 +16,7 @@ import sys
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block
 from kvmanager.floor import SLACK, Floor
-from kvmanager.free_queue import FreeQueue
+from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
@@ -213,3 +213,46 @@ def test_the_shadow_keeps_what_fits_in_the_real_pools_free_cached_units_evicting
     assert f.units == 2
     f.skip((0, b"x"), cap=8)              # a block only the real pool computes: its free is not LRU's
     assert not f.freed((0, b"x"), 1) and (0, b"x") not in f.shadow
+
+
+def _chain(q: FreeQueue, parent: bytes, tag: str, first: int, n: int) -> list[Block]:
+    """``n`` blocks of one chain after ``parent`` (learnt), released as one finished request's chain."""
+    blocks = []
+    for i in range(first, first + n):
+        b = Block(i)
+        b.block_hash = f"{tag}{i}".encode()
+        q.learn(parent, b.block_hash)
+        parent = b.block_hash
+        blocks.append(b)
+    q.add_released([(b, False) for b in reversed(blocks)])     # tail first, as the coordinator releases
+    return blocks
+
+
+def test_below_zero_the_evidence_counts_only_the_ghosts_a_longer_hit_would_have_used():
+    # The tiers evicted a session's head (before the switch), LRU its tail (after it). A lookup that goes
+    # through the whole chain passes both; had LRU kept its tail, the hit would have been no longer (the
+    # head is gone in either order), so it is no evidence for the tiers. Counting every ghost passed did
+    # (edit traces: a cut deep in a history whose interior no order kept; 2 blocks, 32 tokens, here), and
+    # wrote off deficits the tiers then lost again (seed 336151821, edit sliding 3230: 0.686 against LRU's
+    # 0.701; docs/design.md, Retention, seventh round).
+    q = FreeQueue([], (1,))
+    q.floor.cap = 1000                            # 16 tokens a block
+    for i in range(THRESHOLD):                    # THRESHOLD chains evicted in LRU order and looked up again:
+        (b,) = _chain(q, b"p%d" % i, "v", i, 1)   # votes for keeping old chains (what the evidence needs)
+        assert q.take(0) == [b]
+    for i in range(THRESHOLD):
+        q.note_lookup([b"p%d" % i, b"v%d" % i].__getitem__, 0, 2)
+    head = _chain(q, b"s", "h", 10, 2)
+    taken = q.take(0) + q.take(0)
+    assert sorted(b.block_id for b in taken) == [10, 11]   # the tiers evict it
+    q.floor.follow_lru = True                     # below the floor
+    tail = _chain(q, head[-1].block_hash, "t", 12, 2)
+    assert [q.take(0), q.take(0)] == [[tail[1]], [tail[0]]]    # LRU evicts the tail
+    prompt = [b"s"] + [b.block_hash for b in head + tail]
+    q.note_lookup(prompt.__getitem__, 1, 5)       # hit: the shared block only
+    assert q.floor.evidence == 0
+    # a session LRU evicted whole: had LRU kept it, the hit would have been 2 blocks longer
+    other = _chain(q, b"s2", "o", 20, 2)
+    assert [q.take(0), q.take(0)] == [[other[1]], [other[0]]]
+    q.note_lookup([b"s2", other[0].block_hash, other[1].block_hash].__getitem__, 1, 3)
+    assert q.floor.evidence == 32
