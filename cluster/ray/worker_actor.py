@@ -43,6 +43,7 @@ class WorkerActor:
             groups = [dist.new_group(ranks) for ranks in rendezvous["stage_ranks"]]   # every rank, same order
             kwargs["tensor_parallel_group"] = groups[rendezvous["stage"]]
         self.worker = make_worker(kwargs)
+        freeze_startup_heap()          # the model and the runtime are built: what steps allocate is all that is left
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def serve(self, name: str, rings: dict) -> None:
@@ -50,7 +51,6 @@ class WorkerActor:
         loop in a thread until the engine closes them."""
         from workers.runtime.step_loop import StepLoop
         self._loop = StepLoop(self.worker, name, **rings)
-        freeze_startup_heap()
         threading.Thread(target=self._loop.run, name="swakv-step-loop", daemon=True).start()
 
     def execute(self, payload: bytes, hidden=None):
