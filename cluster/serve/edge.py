@@ -25,6 +25,16 @@ from .server import OpenAIServer, make_app
 
 STARTUP_TIMEOUT_S = 30.0
 GRACEFUL_S = 10.0      # how long a stop waits for open responses (the engines have ended them by then)
+# How long an idle keep-alive connection stays open. HTTP/1.1 has no way to close one safely: a request the
+# client sends as the server closes is lost (a reset, or EOF before any response), and clients do not resend
+# a POST. So the server must outwait the clients: they drop idle connections first, after their own expiry.
+# uvicorn's default (5 s) equals httpx's (the OpenAI SDK's) pool expiry, and the server's clock starts when it
+# queues a response's last byte, the client's when it has read it (later, by its lag under load), so a
+# client reused connections it held idle 4.1-4.9 s and got ReadError (bench/results/keepalive_race.txt).
+# 120 s outlasts the idle expiry of common clients and proxies (undici 4 s, httpx 5 s, aiohttp 15 s, nginx
+# upstream and AWS ALB 60 s, Go net/http 90 s; Ray Serve's proxy, which this edge replaces, keeps 90 s); an
+# idle connection costs the edge one socket, and a stop closes idle ones at once.
+KEEP_ALIVE_S = 120
 
 
 class ClientWatch:
@@ -116,15 +126,19 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
+def edge_config(app) -> uvicorn.Config:
+    """uvicorn's settings for the edge (``HTTPEdge``'s, and the tests')."""
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                          timeout_graceful_shutdown=GRACEFUL_S, timeout_keep_alive=KEEP_ALIVE_S, backlog=2048)
+
+
 class HTTPEdge:
     """The OpenAI app (an ``OpenAIServer`` over the named engines) served by uvicorn on ``host:port``."""
 
     def __init__(self, server_args: tuple, host: str, port: int, reuse_port: bool = False):
         sock = bind(host, port, reuse_port)
         self.server = OpenAIServer(*server_args)
-        config = uvicorn.Config(ClientWatch(make_app(self.server)), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=GRACEFUL_S, backlog=2048)
-        self.uvicorn = QuietServer(config)
+        self.uvicorn = QuietServer(edge_config(ClientWatch(make_app(self.server))))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(sock,), name="http-edge", daemon=True)
         self.thread.start()
