@@ -30,10 +30,9 @@ class Ticks(QuietServer):
         return await super().on_tick(counter)
 
 
-def test_an_idle_edge_ticks_about_once_a_second_serves_a_current_date_and_stops_when_told():
+def serve_in_thread(server: QuietServer):
+    """``server`` on a free loopback port, on a thread of its own; (socket, port, thread) once it serves."""
     sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    server = Ticks(uvicorn.Config(hello, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     for _ in range(500):
@@ -41,6 +40,12 @@ def test_an_idle_edge_ticks_about_once_a_second_serves_a_current_date_and_stops_
             break
         time.sleep(0.01)
     assert server.started
+    return sock, sock.getsockname()[1], thread
+
+
+def test_an_idle_edge_ticks_about_once_a_second_serves_a_current_date_and_stops_when_told():
+    server = Ticks(uvicorn.Config(hello, log_level="warning", lifespan="off"))
+    sock, port, thread = serve_in_thread(server)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
         assert r.read() == b"hi"
         date = email.utils.parsedate_to_datetime(r.headers["date"]).timestamp()
@@ -58,16 +63,8 @@ def test_the_edge_keeps_an_idle_connection_open_past_the_clients_keep_alive_expi
     """The client, not the server, must be the one to drop an idle connection: a request sent as the server
     closes it is lost (httpx raised ReadError on connections it had held idle 4.1-4.9 s against uvicorn's
     default 5 s). So a connection idle a second past httpx's expiry (the OpenAI SDK's client) still serves."""
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
     server = QuietServer(edge_config(hello))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    for _ in range(500):
-        if server.started:
-            break
-        time.sleep(0.01)
-    assert server.started
+    sock, port, thread = serve_in_thread(server)
     request = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
