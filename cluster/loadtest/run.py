@@ -94,6 +94,25 @@ def router_view(url: str, replicas: int) -> dict:
             "expected_hit_tokens": expected, "hit_shortfall_tokens": shortfall, "ready_at_end": health.get("ready", 0)}
 
 
+def rejoin(url: str, replicas: int, stats: ReplicaStats, routers, timeout_s: float) -> bool:
+    """Until every replica is ready behind ``/health`` and, with a router, the router has loaded a snapshot
+    of each restarted engine (one more than its restarts: the first at the start): a router keeps a
+    restarting replica's old state until a call to it fails or answers from the new engine, which may come
+    after the load has ended. False if that did not happen within ``timeout_s`` (the report shows it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            wait_healthy(url, timeout_s=max(1.0, deadline - time.monotonic()), ready=replicas)
+        except RuntimeError:
+            return False
+        asyncio.run(stats.poll())   # every engine answers now: a restart seen only after the load is counted
+        if not routers or all(n >= 1 + r for n, r in zip(router_view(url, replicas)["snapshots"], stats.restarts)):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+
+
 def run_one(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, router: str, sessions, url_holder: dict) -> dict:
     """Start the engine replicas for ``layout``, (re)deploy the app with ``router``, run the workload through
     Serve, stop the engines; the summary."""
@@ -123,12 +142,8 @@ def run_one(cluster: LocalCluster, cfg: LoadTestConfig, layout: str, router: str
         result = asyncio.run(run_load(
             sessions, url, duration_s=cfg.duration_s, drain_s=cfg.drain_s, seed=cfg.seed, poll_stats=stats.poll,
             progress=cfg.progress, events=events, request_id_prefix=f"{label}-{cfg.seed}"))
-        if cfg.kill_replica_at is not None:
-            try:   # let the restarted replica rejoin (bounded), so "ready at the end" reports recovery, not timing
-                wait_healthy(url, timeout_s=120.0, ready=dp)
-            except RuntimeError:
-                pass   # it did not: the report shows fewer replicas ready at the end
-            asyncio.run(stats.poll())   # a restart seen only after the load ended is counted too
+        if cfg.kill_replica_at is not None:   # the restarted replica rejoins (bounded), so the report shows
+            rejoin(url, dp, stats, cfg.routers, timeout_s=120.0)   # recovery, not timing
         view = router_view(url, dp) if cfg.routers else None
     finally:
         stop_engines(handles)
