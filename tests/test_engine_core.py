@@ -130,8 +130,8 @@ def test_a_subscription_that_ends_aborts_its_requests_and_not_another_frontends(
                 break
         await stays.aclose()
         for _ in range(3000):                               # the abort lands between two steps: poll, bounded
-            stats = await svc.stats()
-            if stats["running"] == 0:
+            stats = await svc.stats()   # running == 0 alone holds too before the first step admits it
+            if stats["running"] == stats["waiting"] == 0 and stats["finished"]:
                 break
             await asyncio.sleep(0.01)
         return tokens, stats
@@ -212,8 +212,8 @@ def test_a_second_subscription_under_one_name_ends_the_first_and_aborts_its_requ
         rest = await asyncio.wait_for(records(), 30)        # ends instead of waiting forever
         await second.aclose()
         for _ in range(3000):                               # the abort lands between two steps: poll, bounded
-            stats = await svc.stats()
-            if stats["running"] == 0:
+            stats = await svc.stats()   # running == 0 alone holds too before the first step admits it
+            if stats["running"] == stats["waiting"] == 0 and stats["finished"]:
                 break
             await asyncio.sleep(0.01)
         return rest, stats
