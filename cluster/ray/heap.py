@@ -12,8 +12,7 @@ from __future__ import annotations
 import gc
 
 
-def freeze_startup_heap() -> int:
-    """Collect once, then freeze what is left; returns the number of objects frozen."""
+def freeze_startup_heap() -> None:
+    """Collect once, then freeze what is left."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
