@@ -22,8 +22,9 @@ from starlette.responses import StreamingResponse
 
 from cluster.ray.engine_actor import NAMESPACE
 from cluster.serve.launch import start_edges, stop_edges
-from cluster.serve.streaming import EventStream
+from cluster.serve.streaming import EventStream, ResponseChoice
 from cluster.engine.tokenizer import StreamDecoder, load_tokenizer
+from cluster.engine.types import SamplingParams
 from workers.models.tiny_models import build_tiny_model
 
 from conftest import ROOT
@@ -157,6 +158,23 @@ def test_byte_tokenizer_and_stream_decoder_keep_characters_whole():
     assert deltas == ["h", "", "\u00e9", ""]
     assert decoder.add([], final=True) == "\ufffd"   # a character that never finished
     assert decoder.sent == tok.decode([104, 195, 169, 226, 130]) == "h\u00e9\ufffd"
+
+
+def test_a_choice_fed_several_tokens_in_one_item_gives_each_its_own_text_offset():
+    # A stream that fell behind gets one item holding several steps' tokens; CI once saw [0, 1, 2, 3, 4, 4].
+    tok = load_tokenizer(None)
+    choice = ResponseChoice(0, 3, "r#0", SamplingParams(), StreamDecoder(tok), echo="ab")
+    entry = (-0.5, [1], [-0.5])
+
+    def item(ids, finished=False):
+        return {"token_ids": ids, "finished": finished, "finish_reason": "length" if finished else None,
+                "logprobs": [entry] * len(ids), "num_cached_tokens": 0}
+
+    deltas = [choice.feed(item([104]))[0], choice.feed(item([105, 195, 169, 33]))[0],
+              choice.feed(item([106, 107], finished=True))[0]]
+    assert deltas == ["h", "i\u00e9!", "jk"]
+    assert [offset for _, offset, _ in choice.logprobs] == [2, 3, 4, 4, 5, 6, 7]   # "\u00e9" starts at 4, both bytes
+    assert choice.text == "abhi\u00e9!jk" and choice.finish_reason == "length"
 
 
 def test_model_tokenizer_is_used_when_the_directory_has_one(tmp_path):

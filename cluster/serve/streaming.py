@@ -63,13 +63,17 @@ class ResponseChoice:
 
     def feed(self, item: StreamItem) -> tuple[str, list]:
         """Take one engine item; return its text delta and the logprob entries it added."""
-        entries = item.get("logprobs") or []
-        added = [(token, len(self.echo) + len(self.decoder.text), entry)
-                 for token, entry in zip(item["token_ids"], entries)]
+        tokens, entries = item["token_ids"], item.get("logprobs") or []
+        added, delta = [], ""
+        if entries:   # each token's text offset is where its text starts: decode an item's tokens one by one
+            for i, (token, entry) in enumerate(zip(tokens, entries)):
+                added.append((token, len(self.echo) + len(self.decoder.text), entry))
+                delta += self.decoder.add([token], final=item["finished"] and i == len(tokens) - 1)
+        else:
+            delta = self.decoder.add(tokens, final=item["finished"])
         self.logprobs += added
-        self.token_ids += item["token_ids"]
+        self.token_ids += tokens
         self.num_cached_tokens = item.get("num_cached_tokens", 0)
-        delta = self.decoder.add(item["token_ids"], final=item["finished"])
         if self.decoder.stopped:
             self.finish_reason = "stop"
         elif item["finished"]:
