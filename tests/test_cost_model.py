@@ -117,3 +117,15 @@ def test_bad_inputs():
         StepCostModel("gemma-3-27b", "H100-80GB", pipeline_parallel_size=63)
     assert model.step([]).time_s == 0.0
     assert MODEL_PRESETS["gemma-3-27b"].weight_bytes_read(0) == 0.0
+
+
+def test_the_knee_is_the_fewest_prefill_tokens_at_which_a_step_is_compute_bound():
+    # A t-token prefill from 0 on the toy: memory 2e6 + 64 x (t + t) keys read + 64 x 2 t written = 2e6 + 256 t
+    # bytes at 1e11 B/s; compute 2e6 t + 128 x (pairs: sliding sum min(p+1, 4), full t(t+1)/2) at 1e12 FLOP/s.
+    # t = 10: 2.0e7 + 128 x (34 + 55) = 20,011,392 < 10 x (2e6 + 2,560) = 20,025,600; t = 11: 22,013,312 > 20,028,160.
+    model = StepCostModel(_toy(), GPU)
+    assert model.knee_tokens(granule=1) == 11
+    assert model.knee_tokens(granule=4) == 12
+    assert model.knee_tokens(granule=1, limit=8) == 8        # none within the limit: the limit
+    with pytest.raises(ValueError, match="limit must be an integer >= 4, got 3"):
+        model.knee_tokens(granule=4, limit=3)

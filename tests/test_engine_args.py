@@ -3,6 +3,7 @@ test and LLM all build. A bad value is named before anything loads or starts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -41,6 +42,33 @@ def test_build_engine_takes_engine_args_or_the_model_and_their_fields():
     assert (engine.manager.num_blocks, info["block_size"]) == (40, 4)
     with pytest.raises(TypeError, match="blok_size"):
         build_engine("tiny-llama", blok_size=4)
+
+
+def test_the_default_step_budget_is_the_knee_of_the_gpu_the_workers_sleep_for_and_one_token_per_running_sequence():
+    # gemma-3-27b's weights set an H100's step time up to ~989.5 / 3.35 = 295 tokens (its knee: 304 with its
+    # KV traffic, in 16s); on an A100 (312 / 2.039 = 153) the floor of one token per running sequence is higher.
+    def budget(**kw):
+        engine, info = build_engine(EngineArgs(**{"model": "gemma-3-27b", "simulated_gpu": "H100-80GB",
+                                                  "sleep_factor": 1.0, **kw}))
+        assert engine.scheduler.max_num_batched_tokens == info["max_num_batched_tokens"]
+        return info["max_num_batched_tokens"]
+
+    assert budget() == 304
+    assert budget(simulated_gpu="A100-80GB") == 256
+    assert budget(max_num_seqs=400) == 400
+    assert budget(max_num_batched_tokens=100) == 100                # a budget given is kept, below the floor too
+    assert budget(sleep_factor=0.0) == 512                          # workers that take no time: no knee
+    assert build_engine(EngineArgs(model="tiny-llama", block_size=4, num_blocks=40))[1]["max_num_batched_tokens"] == 512
+
+
+def test_a_simulated_model_of_unknown_size_is_refused_before_any_worker_starts(tmp_path):
+    moe = {"model_type": "mistral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 64, "vocab_size": 1000,
+           "torch_dtype": "bfloat16", "num_local_experts": 8}      # MoE, no weights beside it: no parameter count
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    with pytest.raises(ValueError, match="its active parameter count is unknown, so its steps cannot be costed"):
+        build_engine(EngineArgs(model=str(tmp_path), simulated_gpu="H100-80GB", kv_cache_memory=1 << 26),
+                     executor_cls=None)
 
 
 def test_every_documented_field_is_a_serve_flag_with_its_default():

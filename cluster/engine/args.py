@@ -38,7 +38,10 @@ class EngineArgs:
                                                   "with the other cached blocks, which go first when room is "
                                                   "needed", flag="--kv-host-known-hits-only")
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
-    max_num_batched_tokens: int = _arg(512, "tokens computed per engine step (the chunked-prefill budget)")
+    max_num_batched_tokens: int | None = _arg(None, "tokens computed per engine step (the chunked-prefill "
+                                                    "budget; default 512, and for simulated workers that sleep "
+                                                    "the modelled time the step size at which that GPU's "
+                                                    "prefill turns compute-bound; at least --max-num-seqs)")
     max_num_seqs: int = _arg(256, "requests running at once")
     enable_prefix_caching: bool = _arg(True, "turn the prefix cache off", flag="--no-prefix-caching")
     device: str | None = _arg(None, "torch device for the workers (default: the model's)")
@@ -64,10 +67,10 @@ class EngineArgs:
             object.__setattr__(self, "model", os.fspath(model))
         elif not (isinstance(model, str) and model) and not hasattr(model, "config"):
             raise ValueError(f"model must be a model directory, a model name or a loaded model, got {model!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_num_batched_tokens",
-                     "max_num_seqs"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size", "max_num_seqs"):
             check_int(name, getattr(self, name), 1)
-        for name, low in (("num_blocks", 2), ("kv_cache_memory", 1), ("kv_host_memory", 0), ("max_model_len", 1)):
+        for name, low in (("num_blocks", 2), ("kv_cache_memory", 1), ("kv_host_memory", 0), ("max_model_len", 1),
+                          ("max_num_batched_tokens", 1)):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), low)
         check_int("seed", self.seed)

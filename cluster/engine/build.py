@@ -18,6 +18,10 @@ from .kv_events import group_metadata
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "swakv-tiny-hybrid")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20   # on CPU; a GPU run should pass what its memory leaves
+# The default step budget where no roofline times the steps: real workers (none of their device here) and
+# simulated ones that take no time (no step is compute-bound; bigger steps only spread the host's cost per step).
+# Simulated workers that sleep the modelled time take its knee (``StepCostModel.knee_tokens``).
+DEFAULT_STEP_TOKENS = 512
 
 
 def resolve_model(model: str) -> str:
@@ -79,6 +83,8 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+    # every running sequence can decode in each step
+    step_tokens = args.max_num_batched_tokens or max(plan["step_tokens"], args.max_num_seqs)
     ranks = 1 if args.simulated_gpu else tp     # workers per stage
     num_host_blocks, host_block_bytes = host_tier_size(layout, args.kv_host_memory or 0, tp)
     if args.num_host_blocks is not None:
@@ -90,7 +96,7 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
             kw["layout"] = layout
     executor = executor_cls.create(stage_kwargs, args, ranks, **(executor_options or {}))
     engine = Engine(executor, layout.group_specs, num_blocks,
-                    EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                    EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=step_tokens,
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
                                  vocab_size=plan["vocab_size"], async_scheduling=args.async_scheduling,
                                  num_host_blocks=num_host_blocks, host_block_bytes=host_block_bytes,
@@ -105,7 +111,7 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
             "vocab_size": plan["vocab_size"], "eos_token_ids": list(plan["eos"]),
             "sliding_as_full": args.sliding_as_full, "kv_memory_bytes": kv_memory_bytes,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_groups": group_metadata(layout.group_specs),
+            "max_num_batched_tokens": step_tokens, "kv_groups": group_metadata(layout.group_specs),
             "num_host_blocks": num_host_blocks, "kv_host_memory_bytes": args.kv_host_memory or 0}
     return engine, info
 
@@ -134,10 +140,12 @@ def host_tier_size(layout: KVLayout, kv_host_memory: int, tensor_parallel_size: 
 
 def _simulated_plan(args: EngineArgs) -> dict:
     """Layers, limits and worker arguments of simulated workers for a preset or config.json model."""
+    from workers.sim.cost_model import StepCostModel
     from workers.sim.gpus import default_kv_memory, get_gpu
     from workers.sim.presets import get_model_preset
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     preset = get_model_preset(args.model)
+    cost = StepCostModel(preset, args.simulated_gpu, tp, pp)   # refuses a model whose steps cannot be timed
     return dict(
         model=args.model, specs=preset.layer_specs(args.block_size),
         limit=preset.config.get("max_position_embeddings") or 131072, vocab_size=preset.vocab_size,
@@ -146,7 +154,8 @@ def _simulated_plan(args: EngineArgs) -> dict:
         common=dict(kind="simulated", model=args.model, gpu=args.simulated_gpu, tensor_parallel_size=tp,
                     pipeline_parallel_size=pp, sleep_factor=args.sleep_factor, seed=args.seed,
                     sliding_as_full=args.sliding_as_full),
-        per_stage=[dict(pipeline_stage=i) for i in range(pp)])
+        per_stage=[dict(pipeline_stage=i) for i in range(pp)],
+        step_tokens=cost.knee_tokens() if args.sleep_factor else DEFAULT_STEP_TOKENS)
 
 
 def _model_plan(args: EngineArgs, in_process: bool) -> dict:
@@ -175,4 +184,5 @@ def _model_plan(args: EngineArgs, in_process: bool) -> dict:
         default_memory=DEFAULT_KV_CACHE_MEMORY,
         common=dict(model=model, seed=args.seed, device=args.device, cuda_graphs=args.cuda_graphs),
         per_stage=[dict(layers=b, stage=i, tensor_parallel_size=tp, tensor_parallel_rank=r)
-                   for i, b in enumerate(bounds) for r in range(tp)])
+                   for i, b in enumerate(bounds) for r in range(tp)],
+        step_tokens=DEFAULT_STEP_TOKENS)

@@ -108,6 +108,18 @@ class StepCostModel:
                         for names in split_stages(list(sharded), pipeline_parallel_size)]
         self._act_bytes = DTYPE_BYTES[self.model.dtype]
 
+    def knee_tokens(self, granule: int = 16, limit: int = 8192) -> int:
+        """The fewest tokens (a multiple of ``granule``, at most ``limit``) at which one sequence's prefill
+        step is compute-bound on every stage. Below it the weights' read sets the step's time, so a decode
+        step has that many tokens' room for prefill before its time grows; above it a step's tokens cost the
+        same per token at any size: the smallest step budget at which prefill runs at its peak rate."""
+        check_int("granule", granule, 1)
+        check_int("limit", limit, granule)
+        for tokens in range(granule, limit + 1, granule):
+            if all(s.compute_s >= s.memory_s for s in self.step([(0, tokens)]).stages):
+                return tokens
+        return limit - limit % granule
+
     def step(self, batch: Sequence[tuple[int, int]]) -> StepCost:
         """Cost of a step computing, for each sequence, ``num_tokens`` tokens after ``start`` computed ones."""
         if not all(type(s) is tuple and len(s) == 2 and type(s[0]) is int and type(s[1]) is int  # noqa: E721
