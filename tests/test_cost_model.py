@@ -129,3 +129,14 @@ def test_the_knee_is_the_fewest_prefill_tokens_at_which_a_step_is_compute_bound(
     assert model.knee_tokens(granule=1, limit=8) == 8        # none within the limit: the limit
     with pytest.raises(ValueError, match="limit must be an integer >= 4, got 3"):
         model.knee_tokens(granule=4, limit=3)
+
+
+def test_the_prefill_room_is_what_a_prefill_adds_to_a_batch_until_the_step_is_compute_bound():
+    # With a decode at position 10 (keys read: sliding 4, full 11; pairs the same): memory 2e6 + 64 x (15 + 2t)
+    # + 128 x (1 + t) = 2,001,088 + 256 t bytes; compute 2e6 (1 + t) + 128 x (15 + pairs of the prefill).
+    # t = 9: 20,011,520 < 10 x 2,003,392; t = 10: 22,013,...: bound. One token fewer than the bare knee (11).
+    model = StepCostModel(_toy(), GPU)
+    assert model.prefill_room([(10, 1)], granule=1) == 10
+    assert model.prefill_room([(0, 20)], granule=1) == 0       # a 20-token prefill is compute-bound already
+    with pytest.raises(ValueError, match=r"batch\[0\]: num_tokens must be an integer >= 1, got 0"):
+        model.prefill_room([(10, 0)])

@@ -245,3 +245,26 @@ def test_engine_with_the_triton_backend_under_the_interpreter_gives_the_same_tok
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [reference("tiny-gemma3", tuple(p), 6) for p in prompts]
+
+
+def test_a_step_of_decodes_is_filled_with_prefill_up_to_its_own_knee_on_sleeping_simulated_workers():
+    # gemma-3-27b on a modelled H100: a bare prefill turns compute-bound at 304 tokens (the budget's floor);
+    # 8 decodes past 4,096 tokens read enough KV that a step holding them turns compute-bound only with ~336
+    # prefill tokens beside them, so the step takes those, not 304 - 8.
+    from workers.sim.cost_model import StepCostModel
+    engine, info = build_engine("gemma-3-27b", simulated_gpu="H100-80GB", sleep_factor=1e-6)
+    assert info["max_num_batched_tokens"] == 304
+    for i in range(8):
+        engine.add_request(f"long{i}", list(range(i, 4096 + i)), SamplingParams(max_tokens=200))
+    running = engine.scheduler.running
+    while len(running) < 8 or any(q.req.num_computed_tokens < 4096 for q in running):
+        engine.step()
+    engine.add_request("new", list(range(5000, 9000)), SamplingParams(max_tokens=1))
+    decodes = [(q.req.num_computed_tokens, 1) for q in running]
+    room = StepCostModel("gemma-3-27b", "H100-80GB").prefill_room(decodes)
+    assert 320 <= room <= 352 and engine.scheduler.step_budget() == 8 + room
+    before = engine.metrics.scheduled_tokens
+    engine.step()
+    assert engine.metrics.scheduled_tokens - before == 8 + room      # the new prompt's first chunk fills it
+    fixed, _ = build_engine("gemma-3-27b", simulated_gpu="H100-80GB", sleep_factor=1e-6, max_num_batched_tokens=304)
+    assert fixed.scheduler.step_budget() == 304                      # a budget given stays fixed

@@ -20,7 +20,8 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "swakv-tiny
 DEFAULT_KV_CACHE_MEMORY = 256 << 20   # on CPU; a GPU run should pass what its memory leaves
 # The default step budget where no roofline times the steps: real workers (none of their device here) and
 # simulated ones that take no time (no step is compute-bound; bigger steps only spread the host's cost per step).
-# Simulated workers that sleep the modelled time take its knee (``StepCostModel.knee_tokens``).
+# Simulated workers that sleep the modelled time fill each step to its knee instead: the running decodes and the
+# prefill that fits beside them at their own time (``StepCostModel.prefill_room``), at least the bare knee.
 DEFAULT_STEP_TOKENS = 512
 
 
@@ -83,8 +84,9 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
-    # every running sequence can decode in each step
+    # every running sequence can decode in each step; a budget given is kept as given
     step_tokens = args.max_num_batched_tokens or max(plan["step_tokens"], args.max_num_seqs)
+    prefill_room = plan["prefill_room"] if args.max_num_batched_tokens is None else None
     ranks = 1 if args.simulated_gpu else tp     # workers per stage
     num_host_blocks, host_block_bytes = host_tier_size(layout, args.kv_host_memory or 0, tp)
     if args.num_host_blocks is not None:
@@ -100,7 +102,8 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
                                  max_num_seqs=args.max_num_seqs, enable_prefix_caching=args.enable_prefix_caching,
                                  vocab_size=plan["vocab_size"], async_scheduling=args.async_scheduling,
                                  num_host_blocks=num_host_blocks, host_block_bytes=host_block_bytes,
-                                 host_speculative_stores=args.kv_host_speculative_stores),
+                                 host_speculative_stores=args.kv_host_speculative_stores,
+                                 prefill_room=prefill_room),
                     group_widths=layout.group_widths)
     model = plan["model"]
     path = model if isinstance(model, str) else type(model).__name__
@@ -155,7 +158,8 @@ def _simulated_plan(args: EngineArgs) -> dict:
                     pipeline_parallel_size=pp, sleep_factor=args.sleep_factor, seed=args.seed,
                     sliding_as_full=args.sliding_as_full),
         per_stage=[dict(pipeline_stage=i) for i in range(pp)],
-        step_tokens=cost.knee_tokens() if args.sleep_factor else DEFAULT_STEP_TOKENS)
+        step_tokens=cost.knee_tokens() if args.sleep_factor else DEFAULT_STEP_TOKENS,
+        prefill_room=cost.prefill_room if args.sleep_factor else None)
 
 
 def _model_plan(args: EngineArgs, in_process: bool) -> dict:
@@ -185,4 +189,4 @@ def _model_plan(args: EngineArgs, in_process: bool) -> dict:
         common=dict(model=model, seed=args.seed, device=args.device, cuda_graphs=args.cuda_graphs),
         per_stage=[dict(layers=b, stage=i, tensor_parallel_size=tp, tensor_parallel_rank=r)
                    for i, b in enumerate(bounds) for r in range(tp)],
-        step_tokens=DEFAULT_STEP_TOKENS)
+        step_tokens=DEFAULT_STEP_TOKENS, prefill_room=None)

@@ -33,6 +33,7 @@ stays pinned one step longer. The copies of step N+1 run after step N's compute 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
@@ -68,6 +69,7 @@ class EngineConfig:
     num_host_blocks: int = 0               # host units of the host KV tier (0: none)
     host_speculative_stores: bool = True   # also fill free host units with blocks no known hit needs
     host_block_bytes: tuple[int, ...] = ()   # per group: bytes one of its blocks moves, all workers together
+    prefill_room: Callable[[list[tuple[int, int]]], int] | None = None   # widens a step's budget: ``Scheduler``
 
 
 @dataclass
@@ -104,7 +106,8 @@ class Engine:
                                       max_model_len=self.config.max_model_len, widths=group_widths,
                                       num_host_blocks=self.config.num_host_blocks,
                                       host_speculative_stores=self.config.host_speculative_stores)
-        self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   self.config.prefill_room)
         self.metrics = EngineMetrics()
         self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
         self.restarting = False                 # the workers are being replaced (read by health probes)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmanager import KVCacheManager, Request
@@ -125,12 +126,18 @@ def blocks_to_finish(specs, num_tokens: int, widths=None) -> int:
 
 
 class Scheduler:
-    def __init__(self, manager: KVCacheManager, max_num_batched_tokens: int = 512, max_num_seqs: int = 256):
+    """``prefill_room``, if given, widens a step's token budget past ``max_num_batched_tokens`` to its
+    decodes plus the prefill tokens that fit beside them at the decodes' own time (a roofline's knee for
+    that batch: ``StepCostModel.prefill_room``, given the decodes' (position, 1) pairs)."""
+
+    def __init__(self, manager: KVCacheManager, max_num_batched_tokens: int = 512, max_num_seqs: int = 256,
+                 prefill_room: Callable[[list[tuple[int, int]]], int] | None = None):
         for name, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             check_int(name, v, 1)
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.prefill_room = prefill_room
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
@@ -211,15 +218,24 @@ class Scheduler:
                    if q.req.num_computed_tokens < len(q.req.prompt_token_ids))
 
     # -- one step ------------------------------------------------------------------------------
+    def step_budget(self) -> int:
+        """Tokens the next step may compute: the fixed budget, or with ``prefill_room`` the running decodes
+        and the prefill that fits beside them, whichever is more."""
+        if self.prefill_room is None:
+            return self.max_num_batched_tokens
+        decodes = [(q.req.num_computed_tokens, 1) for q in self.running
+                   if q.req.num_computed_tokens >= len(q.req.prompt_token_ids)]
+        return max(self.max_num_batched_tokens, len(decodes) + self.prefill_room(decodes))
+
     def schedule(self) -> StepPlan:
-        budget = self.max_num_batched_tokens
+        budget = total = self.step_budget()
         plan = StepPlan(StepInput(self._step_id, [], []))
         self._step_id += 1
 
         if self._suspects:   # after a step failed with nobody to blame: its requests run one at a time
             seq = next(s for s in self.waiting if s.request_id in self._suspects)
             budget -= self._admit(seq, budget, plan, preempt=True) or 0
-            return self._close(plan, budget)
+            return self._close(plan, total - budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -243,7 +259,7 @@ class Scheduler:
             if n is None:
                 break
             budget -= n
-        return self._close(plan, budget)
+        return self._close(plan, total - budget)
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan, preempt: bool) -> int | None:
         """Start a waiting request with its prefix hit and a first chunk; how many tokens it computes (None:
@@ -309,7 +325,7 @@ class Scheduler:
         self.requeue(lost)
         return lost
 
-    def _close(self, plan: StepPlan, budget: int) -> StepPlan:
+    def _close(self, plan: StepPlan, num_tokens: int) -> StepPlan:
         self._take_transfers()
         if plan.step.chunks or self._stores or self._loads:   # otherwise nothing is sent: keep the mirrors
             # Only mirrors the workers hold: a request that failed before its first chunk ran has none.
@@ -319,7 +335,7 @@ class Scheduler:
             plan.step.compositions = self.manager.pop_compositions()
             plan.step.kv_stores, plan.step.kv_loads = self._stores, self._loads
             self._stores, self._loads = [], []
-        plan.num_tokens = self.max_num_batched_tokens - budget
+        plan.num_tokens = num_tokens
         return plan
 
     def _fit_running(self, seq: Sequence, n: int, plan: StepPlan):

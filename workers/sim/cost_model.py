@@ -113,21 +113,46 @@ class StepCostModel:
         step is compute-bound on every stage. Below it the weights' read sets the step's time, so a decode
         step has that many tokens' room for prefill before its time grows; above it a step's tokens cost the
         same per token at any size: the smallest step budget at which prefill runs at its peak rate."""
+        return self.prefill_room((), granule, limit)
+
+    def prefill_room(self, batch: Sequence[tuple[int, int]], granule: int = 16, limit: int = 8192) -> int:
+        """The fewest tokens (a multiple of ``granule``, at most ``limit``) that one prefill from position 0
+        added to ``batch`` makes compute-bound on every stage (0 if ``batch`` already is): what a step of
+        decodes can take in prefill at about the decodes' own time. Decodes reading long contexts leave
+        more room than the bare knee: their KV reads lengthen the memory time the prefill hides in."""
         check_int("granule", granule, 1)
         check_int("limit", limit, granule)
-        for tokens in range(granule, limit + 1, granule):
-            if all(s.compute_s >= s.memory_s for s in self.step([(0, tokens)]).stages):
-                return tokens
-        return limit - limit % granule
+        batch = [_check_seq(i, s) for i, s in enumerate(batch)]
+        tokens, base = sum(n for _, n in batch), self._totals(batch)
+
+        def bound(t: int) -> bool:
+            totals = {spec: (k + keys_read(spec, 0, t), p + attended_pairs(spec, 0, t)) if t else (k, p)
+                      for spec, (k, p) in base.items()}
+            return all(s.compute_s >= s.memory_s for s in self._cost(tokens + t, totals).stages)
+
+        lo, hi = 0, limit // granule          # in granules; compute outgrows memory as a prefill grows
+        if tokens and bound(0):
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if bound(mid * granule) else (mid, hi)
+        return hi * granule
 
     def step(self, batch: Sequence[tuple[int, int]]) -> StepCost:
         """Cost of a step computing, for each sequence, ``num_tokens`` tokens after ``start`` computed ones."""
         if not all(type(s) is tuple and len(s) == 2 and type(s[0]) is int and type(s[1]) is int  # noqa: E721
                    and s[0] >= 0 and s[1] >= 1 for s in batch):
             batch = [_check_seq(i, s) for i, s in enumerate(batch)]
+        return self._cost(sum(n for _, n in batch), self._totals(batch))
+
+    def _totals(self, batch: Sequence[tuple[int, int]]) -> dict[AttentionSpec, tuple[int, int]]:
+        """Per (sharded) attention spec: keys read and attended pairs over the batch, the same on every stage."""
+        specs = {spec for _, counts in self._stages for spec in counts}
+        return {spec: (sum(keys_read(spec, start, n) for start, n in batch),
+                       sum(attended_pairs(spec, start, n) for start, n in batch)) for spec in specs}
+
+    def _cost(self, tokens: int, totals: dict[AttentionSpec, tuple[int, int]]) -> StepCost:
         m, gpu, tp = self.model, self.gpu, self.tp
-        totals = {}      # per spec: (keys read, attended pairs) over the batch, the same on every stage
-        tokens = sum(n for _, n in batch)
         weights_read = m.weight_bytes_read(tokens)
         q_heads = m.num_attention_heads // tp
         activation = m.hidden_size * tokens * self._act_bytes
@@ -139,9 +164,6 @@ class StepCostModel:
             kv_read = kv_write = 0
             for spec, layers in counts.items():
                 token_bytes = 2 * spec.num_kv_heads * spec.head_size * DTYPE_BYTES[spec.dtype]
-                if spec not in totals:
-                    totals[spec] = (sum(keys_read(spec, start, n) for start, n in batch),
-                                    sum(attended_pairs(spec, start, n) for start, n in batch))
                 keys, pairs = totals[spec]
                 kv_read += layers * token_bytes * keys
                 kv_write += layers * token_bytes * tokens
