@@ -439,7 +439,7 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
         server_args += ["--async-scheduling"]
     if args.max_num_batched_tokens is not None:
         server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    step_tokens = served_step_budget(args)
+    step_tokens = served_step_budget(args, sleep_factor)
     server = Server(server_args, port, dict(kv.split("=", 1) for kv in args.server_env))
     cfg = {"frontend": frontend, "sleep_factor": sleep_factor, "async_scheduling": args.async_scheduling, "server_env": args.server_env, "max_num_batched_tokens": args.max_num_batched_tokens, "step_tokens": step_tokens, "model": args.model, "gpu": args.gpu, "prompt_len": args.prompt_len,
            "max_tokens": args.max_tokens, "runs": []}
@@ -519,16 +519,22 @@ def references(cfg: dict) -> list[tuple[str, bool]]:
     return out
 
 
-def served_step_budget(args) -> int:
-    """The step budget the server runs with: the one given, else the default ``build_engine`` derives."""
+def served_step_budget(args, sleep_factor: float) -> int:
+    """The step budget the server runs with: the one given, else the fixed part of the default
+    ``build_engine`` derives (with a modelled step slept, each step also widens to its decodes' knee)."""
     from cluster.engine.args import EngineArgs
     from cluster.engine.build import build_engine
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
-    return build_engine(EngineArgs(args.model, simulated_gpu=args.gpu, **budget))[1]["max_num_batched_tokens"]
+    engine_args = EngineArgs(args.model, simulated_gpu=args.gpu, sleep_factor=sleep_factor, **budget)
+    return build_engine(engine_args)[1]["max_num_batched_tokens"]
 
 
 def budget_note(cfg: dict) -> str:
-    return f", {cfg['step_tokens']} tokens a step ({'given' if cfg.get('max_num_batched_tokens') else 'the default'})"
+    if cfg.get("max_num_batched_tokens"):
+        return f", {cfg['step_tokens']} tokens a step (given)"
+    if cfg["sleep_factor"]:
+        return f", each step its decodes' knee, at least {cfg['step_tokens']} tokens (the default)"
+    return f", {cfg['step_tokens']} tokens a step (the default)"
 
 
 def render(cfg: dict) -> str:
