@@ -225,6 +225,8 @@ class Scheduler:
             return self.max_num_batched_tokens
         decodes = [(q.req.num_computed_tokens, 1) for q in self.running
                    if q.req.num_computed_tokens >= len(q.req.prompt_token_ids)]
+        if not self.waiting and len(decodes) == len(self.running):
+            return self.max_num_batched_tokens     # no prefill to place (and the floor holds every decode)
         return max(self.max_num_batched_tokens, len(decodes) + self.prefill_room(decodes))
 
     def schedule(self) -> StepPlan:
