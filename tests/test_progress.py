@@ -27,10 +27,12 @@ from cluster.engine.types import SamplingParams
 from kvmanager import ChunkedLocalAttention, FullAttention, SlidingWindow
 from kvmanager.planning import peak_blocks
 from workers.models.tiny_models import build_tiny_model
+from workers.sim.cost_model import StepCostModel
 
 from drivers import SimulatedExecutor
 
 VOCAB = 3   # generated tokens come from the same alphabet as prompts: outputs are shared prefixes too
+ROOFLINE = StepCostModel("gemma-3-27b", "H100-80GB")
 
 
 def brute_force_need(specs, widths, num_tokens: int) -> int:
@@ -52,14 +54,17 @@ REQUEST = st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups=st.lists(st.tuples(SPEC, st.integers(1, 3)), min_size=1, max_size=3), num_blocks=st.integers(2, 24),
        caching=st.booleans(), budget=st.integers(1, 48), max_model_len=st.integers(2, 80),
-       requests=st.lists(REQUEST, min_size=1, max_size=6))
+       requests=st.lists(REQUEST, min_size=1, max_size=6), widened=st.booleans())
 def test_every_accepted_request_finishes_within_the_progress_bound(groups, num_blocks, caching, budget, max_model_len,
-                                                                   requests):
+                                                                   requests, widened):
     specs, widths = [s for s, _ in groups], [w for _, w in groups]
     assume(num_blocks > max(widths))   # the manager refuses a pool that cannot hold one block of each group
+    # ``widened``: each step's budget also grows by a roofline's prefill room beside its decodes (up to 2 x budget)
+    room = functools.partial(ROOFLINE.prefill_room, granule=1, limit=2 * budget) if widened else None
     engine = Engine(SimulatedExecutor(specs, num_blocks, widths, VOCAB), specs, num_blocks,
                     EngineConfig(max_model_len=max_model_len, max_num_batched_tokens=budget,
-                                 enable_prefix_caching=caching, vocab_size=VOCAB), group_widths=widths)
+                                 enable_prefix_caching=caching, vocab_size=VOCAB, prefill_room=room),
+                    group_widths=widths)
     expected, outputs, reasons = {}, {}, {}
     bound = max(arrival for _, _, arrival in requests) + 1
     step = 0
