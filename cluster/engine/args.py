@@ -39,9 +39,10 @@ class EngineArgs:
                                                   "needed", flag="--kv-host-known-hits-only")
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's)")
     max_num_batched_tokens: int | None = _arg(None, "tokens computed per engine step (the chunked-prefill "
-                                                    "budget; default 512, and for simulated workers that sleep "
-                                                    "the modelled time the step size at which that GPU's "
-                                                    "prefill turns compute-bound; at least --max-num-seqs)")
+                                                    "budget; default 512; for simulated workers that sleep "
+                                                    "the modelled time, each step its decodes and the prefill "
+                                                    "that keeps it from turning compute-bound, at least that "
+                                                    "GPU's knee and --max-num-seqs)")
     max_num_seqs: int = _arg(256, "requests running at once")
     enable_prefix_caching: bool = _arg(True, "turn the prefix cache off", flag="--no-prefix-caching")
     device: str | None = _arg(None, "torch device for the workers (default: the model's)")
