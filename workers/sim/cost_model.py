@@ -107,6 +107,7 @@ class StepCostModel:
         self._stages = [(len(names) / len(specs), Counter(sharded[n] for n in names))
                         for names in split_stages(list(sharded), pipeline_parallel_size)]
         self._act_bytes = DTYPE_BYTES[self.model.dtype]
+        self._specs = {spec for _, counts in self._stages for spec in counts}
 
     def knee_tokens(self, granule: int = 16, limit: int = 8192) -> int:
         """The fewest tokens (a multiple of ``granule``, at most ``limit``) at which one sequence's prefill
@@ -122,7 +123,7 @@ class StepCostModel:
         more room than the bare knee: their KV reads lengthen the memory time the prefill hides in."""
         check_int("granule", granule, 1)
         check_int("limit", limit, granule)
-        batch = [_check_seq(i, s) for i, s in enumerate(batch)]
+        batch = _checked(batch)
         tokens, base = sum(n for _, n in batch), self._totals(batch)
 
         def bound(t: int) -> bool:
@@ -140,16 +141,13 @@ class StepCostModel:
 
     def step(self, batch: Sequence[tuple[int, int]]) -> StepCost:
         """Cost of a step computing, for each sequence, ``num_tokens`` tokens after ``start`` computed ones."""
-        if not all(type(s) is tuple and len(s) == 2 and type(s[0]) is int and type(s[1]) is int  # noqa: E721
-                   and s[0] >= 0 and s[1] >= 1 for s in batch):
-            batch = [_check_seq(i, s) for i, s in enumerate(batch)]
+        batch = _checked(batch)
         return self._cost(sum(n for _, n in batch), self._totals(batch))
 
     def _totals(self, batch: Sequence[tuple[int, int]]) -> dict[AttentionSpec, tuple[int, int]]:
         """Per (sharded) attention spec: keys read and attended pairs over the batch, the same on every stage."""
-        specs = {spec for _, counts in self._stages for spec in counts}
         return {spec: (sum(keys_read(spec, start, n) for start, n in batch),
-                       sum(attended_pairs(spec, start, n) for start, n in batch)) for spec in specs}
+                       sum(attended_pairs(spec, start, n) for start, n in batch)) for spec in self._specs}
 
     def _cost(self, tokens: int, totals: dict[AttentionSpec, tuple[int, int]]) -> StepCost:
         m, gpu, tp = self.model, self.gpu, self.tp
@@ -176,6 +174,15 @@ class StepCostModel:
                 memory_s=(weight + kv_read + kv_write) / gpu.hbm_bytes_per_s,
                 tp_comm_s=2 * num_layers * all_reduce_s))
         return StepCost(tuple(stages), activation / gpu.interconnect_bytes_per_s)
+
+
+def _checked(batch: Sequence[tuple[int, int]]) -> Sequence[tuple[int, int]]:
+    """``batch`` as it is when every entry is a (start >= 0, num_tokens >= 1) pair of ints (checked fast),
+    else each entry checked with an error that names it."""
+    if all(type(s) is tuple and len(s) == 2 and type(s[0]) is int and type(s[1]) is int  # noqa: E721
+           and s[0] >= 0 and s[1] >= 1 for s in batch):
+        return batch
+    return [_check_seq(i, s) for i, s in enumerate(batch)]
 
 
 def _check_seq(index: int, seq) -> tuple[int, int]:
