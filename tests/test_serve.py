@@ -226,7 +226,9 @@ def test_streaming_completion_with_token_id_prompt(url):
     chunks = [e for e in events[:-1] if e["choices"]]
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == expected
     assert "".join(c["choices"][0]["text"] for c in chunks) == text_of(expected)
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 9 + ["length"]
+    # a stream that lags gets several tokens in one event (CI once saw 9 events for the 10 tokens): none is empty
+    assert all(c["choices"][0]["token_ids"] for c in chunks) and len(chunks) <= 10
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert events[-2]["usage"] == {"prompt_tokens": 17, "completion_tokens": 10, "total_tokens": 27,
                                    "prompt_tokens_details": {"cached_tokens": 0}}
 
