@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 
 import pytest
@@ -15,8 +16,10 @@ from cluster.engine.build import build_engine
 from cluster.engine.executor import LocalExecutor
 from cluster.engine.types import SamplingParams
 from cluster.ray.engine_actor import EngineService
+from cluster.ray.record_ring import RecordReader, host_id
 from cluster.serve.feed import merge, next_item
 from workers.models.tiny_models import build_tiny_model
+from workers.shm_channel import ChannelHandle
 
 MODEL = "tiny-llama"
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 101, 102, 103], [42] * 5]
@@ -249,3 +252,46 @@ def test_a_batch_of_adds_queues_the_good_requests_and_returns_each_bad_ones_own_
     assert isinstance(results[2], ValueError) and "max_tokens" in str(results[2])
     assert tokens == {0: reference(tuple(PROMPTS[0]), 3), 3: reference(tuple(PROMPTS[2]), 4)}   # none for 1, 2
     assert (stats["add_calls"], stats["finished"]) == (1, {"length": 2})
+
+
+def test_a_frontend_on_the_engines_host_reads_its_records_from_a_ring_and_leaving_it_aborts_its_requests():
+    """A subscriber on the engine's host gets a shared-memory ring's handle instead of records (``record_ring``):
+    every record then comes through the ring, one per step at most, greedy tokens as over Ray. A reader that
+    detaches (its frontend died) ends the subscription: its request is aborted, the ring unlinked."""
+    async def main():
+        svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
+        sub = svc.subscribe("f", host_id())
+        handle = await anext(sub)
+        assert isinstance(handle, ChannelHandle)
+        follow = asyncio.ensure_future(anext(sub))          # the subscription's loop: ends when it does
+        records = []
+        reader = RecordReader(handle, records.append)
+        for key, p in enumerate(PROMPTS):
+            await svc.add_request("f", key, f"r{key}", p, {"max_tokens": 6})
+        for _ in range(3000):
+            if len({key for record in records for key, item in record if item["finished"]}) == 3:
+                break
+            await asyncio.sleep(0.01)
+        finished_records, sent = list(records), svc.records
+        await svc.add_request("f", 7, "long", PROMPTS[0], {"max_tokens": 400})
+        while not any(key == 7 for record in records for key, _ in record):
+            await asyncio.sleep(0.01)
+        reader.close()                                      # the frontend is gone
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(follow, 30)              # the watch or the writer found it
+        for _ in range(3000):
+            stats = await svc.stats()
+            if stats["running"] == stats["waiting"] == 0 and stats["finished"].get("abort"):
+                break
+            await asyncio.sleep(0.01)
+        return finished_records, sent, svc.engine.metrics.steps, stats, handle
+
+    records, sent, steps, stats, handle = asyncio.run(main())
+    tokens = {key: [] for key in range(3)}
+    for record in records:
+        for key, item in record:
+            tokens[key] += item["token_ids"]
+    assert [tokens[k] for k in range(3)] == [reference(tuple(p), 6) for p in PROMPTS]
+    assert sent == len(records) <= steps                    # one ring message per record, at most one per step
+    assert (stats["running"], stats["finished"]) == (0, {"length": 3, "abort": 1})
+    assert not os.path.exists(f"/dev/shm/{handle.name}")

@@ -8,6 +8,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import random
+import select
 import signal
 import time
 
@@ -109,6 +110,64 @@ def test_messages_larger_than_the_ring_stream_through_it_whole():
             _stop(*readers)
     expected = [_digest(m) for m in messages]
     assert got == {0: expected, 1: expected}
+
+
+def test_a_reader_on_an_event_loop_sleeps_on_its_socket_and_gets_every_message_whole():
+    """``arm`` + ``fileno`` + ``try_recv``: what an asyncio frontend does. Every wake-up is a readable socket
+    (select never times out while messages are due), ``try_recv`` never waits, and a message larger than
+    the ring comes whole over several wake-ups, in order with the others."""
+    messages = [b"a" * 10, random.Random(1).randbytes(1000), b"", b"b" * 64, b"c" * 65]   # the ring holds 256 B
+    out = CTX.Queue()
+    with ShmSegment(1, slots=4, slot_bytes=64) as segment:
+        reader = ShmReader(segment.handle, 0)
+        reader.arm()
+        assert reader.try_recv() is None                         # nothing yet: None, at once
+        writer = CTX.Process(target=_attach_send_then_hang, args=(segment.handle, messages, out))
+        writer.start()
+        got, wakeups = [], 0
+        try:
+            while len(got) < len(messages):
+                readable, _, _ = select.select([reader.fileno()], [], [], 30)
+                assert readable, f"no wake-up for message {len(got)}"
+                wakeups += 1
+                reader.drain_wakeups()
+                while (data := reader.try_recv()) is not None:
+                    got.append(data)
+            assert out.get(timeout=30) == "sent"
+            assert reader.try_recv() is None
+        finally:
+            _stop(writer)
+            reader.close()
+    assert got == messages
+    assert 2 <= wakeups <= 21       # the ring holds less than all of it; at most one per fragment (1+16+1+1+2)
+
+
+def test_try_recv_drains_what_a_closed_writer_sent_then_says_closed():
+    with ShmBroadcast(1, slots=4, slot_bytes=64) as writer:
+        reader = ShmReader(writer.handle, 0)
+        writer.send(b"one")
+        writer.send(b"two")
+        writer.close()
+        assert [reader.try_recv(), reader.try_recv()] == [b"one", b"two"]
+        with pytest.raises(ChannelClosed):
+            reader.try_recv()
+        reader.close()
+
+
+def test_a_writer_tells_readers_that_never_attached_from_those_that_died():
+    out = CTX.Queue()
+    with ShmBroadcast(1, slots=2, slot_bytes=64) as writer:
+        assert (writer.readers_unattached(), writer.readers_gone()) == ([0], [])
+        reader = CTX.Process(target=_echo_forever, args=(writer.handle, out))
+        reader.start()
+        try:
+            assert out.get(timeout=60) == "attached"
+            assert (writer.readers_unattached(), writer.readers_gone()) == ([], [])
+            reader.kill()
+            reader.join(10)
+            assert writer.readers_gone() == [0]
+        finally:
+            _stop(reader)
 
 
 def test_an_idle_reader_sleeps_without_burning_cpu_and_wakes_for_the_next_message():

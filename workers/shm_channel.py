@@ -321,6 +321,19 @@ class ShmBroadcast:
             if state == ATTACHED and not process_alive(pid):
                 raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) died")
 
+    def readers_gone(self) -> list[int]:
+        """Readers that detached, or attached and died (``send`` finds them only when it waits on them)."""
+        ring, gone = self._ring, []
+        for r in range(self.handle.num_readers):
+            state, pid = ring.words[ring.reader_word(r, 3)], ring.words[ring.reader_word(r, 2)]
+            if state == DETACHED or (state == ATTACHED and not process_alive(pid)):
+                gone.append(r)
+        return gone
+
+    def readers_unattached(self) -> list[int]:
+        ring = self._ring
+        return [r for r in range(self.handle.num_readers) if ring.words[ring.reader_word(r, 3)] == 0]
+
     def readers_sleeping(self) -> list[bool]:
         ring = self._ring
         return [bool(ring.words[ring.reader_word(r, 1)]) for r in range(self.handle.num_readers)]
@@ -371,6 +384,7 @@ class ShmReader:
         self._read, self._sleeping = ring.reader_word(index, 0), ring.reader_word(index, 1)
         self.spin_s, self.poll_s = spin_s, poll_s
         self.closed = False
+        self._parts: list[bytes] = []    # fragments of a message not yet whole
 
     def recv(self, timeout: float | None = None, check=None) -> bytes:
         """The next message. Raises ``ChannelClosed`` once the writer closed and all was read,
@@ -379,23 +393,65 @@ class ShmReader:
         engine checks there that every worker of the step is alive, not only the one that answers)."""
         if self.closed:
             raise ChannelError("recv on a closed reader")
-        ring, h = self._ring, self.handle
-        words = ring.words
+        words = self._ring.words
         deadline = None if timeout is None else time.monotonic() + timeout
-        parts = []
         while True:
             seq = words[self._read]
             if words[4] == seq:
                 self._wait(seq, deadline, check)
-            at = ring.slots_at + (seq % h.slots) * ring.stride
-            size, flags = words[at // 8], words[at // 8 + 1]
-            parts.append(bytes(ring.buf[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + size]))
-            words[self._read] = seq + 1      # the slot is free for the writer
-            _fence()                         # before reading the writer's waiting flag
-            if words[7]:
-                ring.wake("w")
-            if flags & LAST:
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+            message = self._take(seq)
+            if message is not None:
+                return message
+
+    def try_recv(self) -> bytes | None:
+        """The next message if all of it is there, else None; never waits. For a reader on an event loop,
+        which sleeps on ``fileno()`` after ``arm()`` instead (a message larger than the ring arrives over
+        several calls). Raises ``ChannelClosed`` once the writer closed and all was read."""
+        if self.closed:
+            raise ChannelError("recv on a closed reader")
+        words = self._ring.words
+        while True:
+            seq = words[self._read]
+            if words[4] == seq:
+                if words[5]:
+                    raise ChannelClosed(f"channel {self.handle.name} was closed by its writer")
+                return None
+            message = self._take(seq)
+            if message is not None:
+                return message
+
+    def _take(self, seq: int) -> bytes | None:
+        """Fragment ``seq`` (published) off the ring; the whole message once this was its last fragment."""
+        ring, h, words = self._ring, self.handle, self._ring.words
+        at = ring.slots_at + (seq % h.slots) * ring.stride
+        size, flags = words[at // 8], words[at // 8 + 1]
+        self._parts.append(bytes(ring.buf[at + SLOT_HEADER_BYTES:at + SLOT_HEADER_BYTES + size]))
+        words[self._read] = seq + 1      # the slot is free for the writer
+        _fence()                         # before reading the writer's waiting flag
+        if words[7]:
+            ring.wake("w")
+        if not flags & LAST:
+            return None
+        parts, self._parts = self._parts, []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def fileno(self) -> int:
+        """The socket the writer's wake-ups arrive on, readable once ``arm()`` was called and a message came."""
+        return self._ring.sock.fileno()
+
+    def arm(self) -> None:
+        """Sleep on ``fileno()`` from now on: the writer wakes it at every message until ``close``. Call
+        ``try_recv`` until it returns None after each wake-up (and once after arming): the flag and the
+        counter are read in the order that loses no wake-up, so a message either is there or wakes it."""
+        self._ring.words[self._sleeping] = 1
+        _fence()
+
+    def drain_wakeups(self) -> None:
+        """Read the wake-ups queued on ``fileno()`` (before ``try_recv``, so that none is left for a message read)."""
+        self._ring.drain()
+
+    def writer_alive(self) -> bool:
+        return process_alive(self._ring.words[6])
 
     def _wait(self, seq: int, deadline: float | None, check=None) -> None:
         ring, words = self._ring, self._ring.words

@@ -12,8 +12,9 @@ async controller.
 
 Consumers. An HTTP frontend ``subscribe``s once (one long-lived Ray stream) and adds requests with
 ``add_request``: each record it receives holds every update of its requests since the last one, so the
-engine sends one Ray message per step per frontend, however many requests run (the frontend keeps at
-most one record unread, so one that lags gets the steps it missed merged in one record: ``feed.py``).
+engine sends one message per step per frontend, however many requests run: through a shared-memory ring
+to a frontend on this host (``record_ring.py``), as a Ray stream item elsewhere (few records wait unread,
+so a frontend that lags gets the steps it missed merged in one record: ``feed.py``).
 ``generate`` streams one request (tests, scripts). The engine names each request itself, uniquely (the
 caller's id is only its label), so a retry that reuses a label can neither be aborted by its predecessor
 nor lose its stream. A consumer that goes away (a closed ``generate``, a subscription whose frontend died)
@@ -47,11 +48,15 @@ from cluster.engine.scheduler import SequenceUpdate
 from cluster.engine.types import Load, ModelInfo, SamplingParams, StreamItem
 
 from .heap import freeze_startup_heap
+from .record_ring import RecordWriter, host_id
 
 log = logging.getLogger("swakv.engine")
 
 ENGINE_ACTOR_NAME = "swakv-engine"
 NAMESPACE = "swakv"
+
+RING_CHECK_S = 1.0    # how often a subscription over a ring checks that its reader lives
+RING_ATTACH_S = 30.0  # a ring's reader that has not attached by then is taken for gone
 
 SHUTTING_DOWN = "the server is shutting down; the request can be retried once it is back"
 
@@ -82,6 +87,7 @@ class _Subscriber:
         self.wake = asyncio.Event()
         self.requests: set[str] = set()          # engine ids of its unfinished requests
         self.replaced = False                    # a newer subscription took its name: its stream ends
+        self.watch: asyncio.TimerHandle | None = None   # the periodic check of its ring's reader
 
 
 class EngineService:
@@ -99,7 +105,8 @@ class EngineService:
         self._sinks: dict[str, object] = {}            # engine request id -> where its items go
         self._subscribers: dict[str, _Subscriber] = {}
         self._ids = itertools.count(1)
-        self.records = 0                                # subscription records sent (one Ray message each)
+        self.records = 0                                # subscription records sent (Ray items or ring messages)
+        self._records_lock = threading.Lock()           # ring writers count from their threads
         self.add_calls = 0                              # add_requests calls (a frontend's burst is one)
         self._status, self._detail = "starting", "loading the model and starting the workers"
         self.events: EventPublisher | None = None       # once the engine is built
@@ -259,12 +266,14 @@ class EngineService:
                 results[i] = exc
         return results
 
-    async def subscribe(self, subscriber: str):
+    async def subscribe(self, subscriber: str, host: str | None = None):
         """A frontend's one stream of this engine's updates (``num_returns="streaming"``): first an empty
         record once it is registered, then one record per step (or several steps merged, if the frontend
         lags) of ``[(key, StreamItem), ...]`` for the requests it added with ``add_request(subscriber,
-        key, ...)``. A second subscription under the same name ends the first. When the stream ends (its
-        frontend died or cancelled it), the frontend's unfinished requests are aborted."""
+        key, ...)``. A frontend on this engine's host (``host``: its ``record_ring.host_id()``) gets a ring's
+        handle first instead, and every record through that ring (``record_ring``). A second subscription
+        under the same name ends the first. When the stream ends (its frontend died or cancelled it), the
+        frontend's unfinished requests are aborted."""
         await self._started()
         old = self._subscribers.get(subscriber)
         if old is not None:
@@ -272,20 +281,50 @@ class EngineService:
             old.replaced = True
             old.wake.set()
         sub = self._subscribers[subscriber] = _Subscriber()
+        ring = None
+        if host is not None and host == host_id():
+            loop = asyncio.get_running_loop()
+            ring = RecordWriter(on_gone=lambda: loop.call_soon_threadsafe(sub.wake.set), on_sent=self._count_record)
+            sub.watch = loop.call_later(RING_CHECK_S, self._watch_ring, ring, sub, loop.time() + RING_ATTACH_S)
         try:
-            yield []
+            yield [] if ring is None else ring.handle
             while True:
                 await sub.wake.wait()
+                if ring is not None and ring.gone is not None:
+                    return
                 sub.wake.clear()
                 if sub.replaced:
                     return
+                if not sub.pending:
+                    continue
                 record, sub.pending = sub.pending, []
-                self.records += 1
-                yield record
+                if ring is None:
+                    self._count_record()
+                    yield record
+                else:
+                    ring.put(record)
         finally:
+            if ring is not None:
+                sub.watch.cancel()
+                ring.close()
             if self._subscribers.get(subscriber) is sub:
                 del self._subscribers[subscriber]
             self._abort_all(sub)
+
+    def _watch_ring(self, ring: RecordWriter, sub: _Subscriber, attach_by: float) -> None:
+        """Every ``RING_CHECK_S``: a reader that died while nothing was sent, or never attached, ends the
+        subscription (the writer finds a dead reader itself only when it waits on it)."""
+        loop = asyncio.get_running_loop()
+        if ring.gone is None:
+            ring.check_reader(attached_by_now=loop.time() > attach_by)
+        if ring.gone is not None:
+            sub.wake.set()
+        else:
+            sub.watch = loop.call_later(RING_CHECK_S, self._watch_ring, ring, sub, attach_by)
+
+    def _count_record(self) -> None:
+        with self._records_lock:
+            self.records += 1
 
     def _abort_all(self, sub: _Subscriber) -> None:
         for request_id in sub.requests:

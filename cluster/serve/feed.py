@@ -1,11 +1,13 @@
-"""One HTTP frontend's subscription to one engine: every request's updates arrive in one Ray message
-per engine step and are sorted here into per-request queues (``EngineService.subscribe``).
+"""One HTTP frontend's subscription to one engine: every request's updates arrive in one record per
+engine step and are sorted here into per-request queues (``EngineService.subscribe``). On the engine's
+host the records come through a shared-memory ring (``cluster/ray/record_ring.py``: a Ray stream item
+costs milliseconds, the ring a fraction of one) and the Ray stream only says when the engine is gone;
+elsewhere each record is an item of that stream.
 
-The stream holds at most one record this frontend has not read (Ray's generator backpressure, 1): when
+Either way at most a few records wait unread (the ring's slots; Ray's generator backpressure, 1): when
 the frontend falls behind (many streams on a busy host), the engine keeps stepping and merges the steps
 it owes into its next record, so each stream gets one SSE event for several tokens instead of a queue
-that grows (vLLM's stream interval, chosen by the load). A frontend that keeps up sees one record per
-step; the price is that a record waits for the previous one's acknowledgement (one round trip).
+that grows (vLLM's stream interval, chosen by the load).
 
 A request is added under a key this frontend picks, whose queue exists before the call goes out, so an
 update can never arrive for a request nobody waits on. The adds of one turn of the event loop (a burst
@@ -20,16 +22,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import socket
 import uuid
 
+import ray
 from ray.exceptions import RayActorError
 
 from cluster.engine.types import SamplingParams, StreamItem
+from cluster.ray.record_ring import RecordReader, host_id
 from cluster.routing.prompt import PromptHashes
+from workers.shm_channel import ChannelError, ChannelHandle
 
 from .openai import RETRY_ELSEWHERE, APIError, engine_restarted, error_from_engine, error_from_item
+
+
+log = logging.getLogger("swakv.serve")
+
+RING_DRAIN_S = 5.0   # after the engine's stream ends, how long its ring's last records may take to be read
 
 
 class SubscriptionLost(RuntimeError):
@@ -53,29 +64,36 @@ class EngineFeed:
         return self.error is None
 
     async def _follow(self) -> None:
-        stream = self.handle.subscribe.options(
-            num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.subscriber)
+        ring, host = None, host_id()
         try:
             while True:
-                record = await (await stream.__anext__())
-                if not self._opened.done():
-                    self._opened.set_result(None)
-                for key, item in record:
-                    queue = self.queues.get(key, False)
-                    if queue is None:                         # its add call was cancelled: nobody waits
-                        del self.queues[key]
-                        if not item["finished"]:
-                            self.handle.abort.remote(item["request_id"])
-                    elif queue is not False:
-                        queue.put_nowait(item)
+                stream = self.handle.subscribe.options(
+                    num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.subscriber, host)
+                first = await (await stream.__anext__())
+                if not isinstance(first, ChannelHandle):
+                    break
+                try:   # the engine is on this host: its records come through shared memory from now on
+                    ring = RecordReader(first, self._sort)
+                    break
+                except ChannelError as exc:   # this host's /dev/shm is not the engine's after all
+                    log.warning("the engine's record ring cannot be opened here (%s); using its Ray stream", exc)
+                    ray.cancel(stream)
+                    host = None
+            self._opened.set_result(None)
+            while True:
+                self._sort(await (await stream.__anext__()))
         except asyncio.CancelledError:
             error = SubscriptionLost("the subscription was closed")
+            if ring is not None:
+                ring.close()
         except StopAsyncIteration:
             error = SubscriptionLost("the engine ended its stream")
         except RayActorError as exc:
             error = SubscriptionLost(f"the engine is gone ({type(exc).__name__})")
         except Exception as exc:  # noqa: BLE001 - whatever ends the stream ends every request on it
             error = SubscriptionLost(f"the engine's stream failed: {exc!r}")
+        if ring is not None and not ring.reader.closed:   # what the engine wrote before its stream ended counts
+            await ring.drained(RING_DRAIN_S)
         self.error = error
         if not self._opened.done():
             self._opened.set_exception(error)
@@ -84,6 +102,17 @@ class EngineFeed:
             if queue is not None:
                 queue.put_nowait(error)
         self.queues.clear()
+
+    def _sort(self, record: list) -> None:
+        """Each update of a record to its request's queue."""
+        for key, item in record:
+            queue = self.queues.get(key, False)
+            if queue is None:                         # its add call was cancelled: nobody waits
+                del self.queues[key]
+                if not item["finished"]:
+                    self.handle.abort.remote(item["request_id"])
+            elif queue is not False:
+                queue.put_nowait(item)
 
     def close(self) -> None:
         """Stop following (the engine sees its stream end and aborts what is left)."""
