@@ -16,10 +16,9 @@ from cluster.engine.build import build_engine
 from cluster.engine.executor import LocalExecutor
 from cluster.engine.types import SamplingParams
 from cluster.ray.engine_actor import EngineService
-from cluster.ray.record_ring import RecordReader, host_id
+from cluster.ray.record_ring import ADDED, AddWriter, LoopReader, RingHandles, host_id
 from cluster.serve.feed import merge, next_item
 from workers.models.tiny_models import build_tiny_model
-from workers.shm_channel import ChannelHandle
 
 MODEL = "tiny-llama"
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 101, 102, 103], [42] * 5]
@@ -254,26 +253,27 @@ def test_a_batch_of_adds_queues_the_good_requests_and_returns_each_bad_ones_own_
     assert (stats["add_calls"], stats["finished"]) == (1, {"length": 2})
 
 
-def test_a_frontend_on_the_engines_host_reads_its_records_from_a_ring_and_leaving_it_aborts_its_requests():
-    """A subscriber on the engine's host gets a shared-memory ring's handle instead of records (``record_ring``):
-    every record then comes through the ring, one per step at most, greedy tokens as over Ray. A reader that
-    detaches (its frontend died) ends the subscription: its request is aborted, the ring unlinked."""
+def test_a_frontend_on_the_engines_host_adds_and_reads_through_rings_and_leaving_them_aborts_its_requests():
+    """A subscriber on the engine's host gets two shared-memory rings' handles instead of records
+    (``record_ring``): its adds go in through one, each burst's results (engine ids, or a refusal) and every
+    record come out through the other, one message per step at most, greedy tokens as over Ray. A reader
+    that detaches (its frontend died) ends the subscription: its request is aborted, the rings unlinked."""
     async def main():
         svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
         sub = svc.subscribe("f", host_id())
-        handle = await anext(sub)
-        assert isinstance(handle, ChannelHandle)
+        handles = await anext(sub)
+        assert isinstance(handles, RingHandles)
         follow = asyncio.ensure_future(anext(sub))          # the subscription's loop: ends when it does
         records = []
-        reader = RecordReader(handle, records.append)
-        for key, p in enumerate(PROMPTS):
-            await svc.add_request("f", key, f"r{key}", p, {"max_tokens": 6})
+        reader, adds = LoopReader(handles.records, records.append), AddWriter(handles.adds)
+        assert adds.try_send([(key, f"r{key}", p, {"max_tokens": 6}, None) for key, p in enumerate(PROMPTS)]
+                             + [(3, "bad", [1, 2, 10**6], {"max_tokens": 2}, None)])
         for _ in range(3000):
-            if len({key for record in records for key, item in record if item["finished"]}) == 3:
+            if len({key for record in records for key, item in record if key != ADDED and item["finished"]}) == 3:
                 break
             await asyncio.sleep(0.01)
-        finished_records, sent = list(records), svc.records
-        await svc.add_request("f", 7, "long", PROMPTS[0], {"max_tokens": 400})
+        finished_records, sent, calls = list(records), svc.records, svc.add_calls
+        assert adds.try_send([(7, "long", PROMPTS[0], {"max_tokens": 400}, None)])
         while not any(key == 7 for record in records for key, _ in record):
             await asyncio.sleep(0.01)
         reader.close()                                      # the frontend is gone
@@ -284,14 +284,20 @@ def test_a_frontend_on_the_engines_host_reads_its_records_from_a_ring_and_leavin
             if stats["running"] == stats["waiting"] == 0 and stats["finished"].get("abort"):
                 break
             await asyncio.sleep(0.01)
-        return finished_records, sent, svc.engine.metrics.steps, stats, handle
+        adds.close()
+        return finished_records, sent, calls, svc.engine.metrics.steps, stats, handles
 
-    records, sent, steps, stats, handle = asyncio.run(main())
+    records, sent, calls, steps, stats, handles = asyncio.run(main())
+    added = [result for record in records for key, results in record if key == ADDED for result in results]
+    assert [key for key, _ in added] == [0, 1, 2, 3] and calls == 1           # one burst, one add call
+    assert [result for _, result in added[:3]] == ["r0#1", "r1#2", "r2#3"]
+    assert isinstance(added[3][1], ValueError) and "vocabulary" in str(added[3][1])
     tokens = {key: [] for key in range(3)}
     for record in records:
         for key, item in record:
-            tokens[key] += item["token_ids"]
+            if key != ADDED:
+                tokens[key] += item["token_ids"]
     assert [tokens[k] for k in range(3)] == [reference(tuple(p), 6) for p in PROMPTS]
-    assert sent == len(records) <= steps                    # one ring message per record, at most one per step
+    assert sent == len(records) <= steps + 1                # one ring message per record: a step's, or the adds'
     assert (stats["running"], stats["finished"]) == (0, {"length": 3, "abort": 1})
-    assert not os.path.exists(f"/dev/shm/{handle.name}")
+    assert not os.path.exists(f"/dev/shm/{handles.records.name}") and not os.path.exists(f"/dev/shm/{handles.adds.name}")

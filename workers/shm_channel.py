@@ -283,6 +283,19 @@ class ShmBroadcast:
             if offset >= total:
                 return
 
+    def try_send(self, data: bytes | bytearray | memoryview) -> bool:
+        """``send`` if the whole message fits in the slots free now, else False with nothing written: for a
+        writer on an event loop, which must not wait."""
+        if self.closed:
+            raise ChannelError("send on a closed channel")
+        ring, h = self._ring, self.handle
+        fragments = max(1, -(-memoryview(data).nbytes // h.slot_bytes))
+        behind = ring.words[4] - min(ring.words[ring.reader_word(r, 0)] for r in range(h.num_readers))
+        if behind + fragments > h.slots:
+            return False
+        self.send(data)
+        return True
+
     def _wait_for_room(self, seq: int, deadline: float | None) -> None:
         ring, h = self._ring, self.handle
         words, reads = ring.words, [ring.reader_word(r, 0) for r in range(h.num_readers)]

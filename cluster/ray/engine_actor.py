@@ -48,7 +48,7 @@ from cluster.engine.scheduler import SequenceUpdate
 from cluster.engine.types import Load, ModelInfo, SamplingParams, StreamItem
 
 from .heap import freeze_startup_heap
-from .record_ring import RecordWriter, host_id
+from .record_ring import ADDED, AddRing, RecordWriter, RingHandles, host_id
 
 log = logging.getLogger("swakv.engine")
 
@@ -108,6 +108,7 @@ class EngineService:
         self.records = 0                                # subscription records sent (Ray items or ring messages)
         self._records_lock = threading.Lock()           # ring writers count from their threads
         self.add_calls = 0                              # add_requests calls (a frontend's burst is one)
+        self._adding: set[asyncio.Task] = set()         # adds read from rings, until their results are queued
         self._status, self._detail = "starting", "loading the model and starting the workers"
         self.events: EventPublisher | None = None       # once the engine is built
         self._published = asyncio.Event()               # set (and replaced) at each new batch
@@ -270,8 +271,9 @@ class EngineService:
         """A frontend's one stream of this engine's updates (``num_returns="streaming"``): first an empty
         record once it is registered, then one record per step (or several steps merged, if the frontend
         lags) of ``[(key, StreamItem), ...]`` for the requests it added with ``add_request(subscriber,
-        key, ...)``. A frontend on this engine's host (``host``: its ``record_ring.host_id()``) gets a ring's
-        handle first instead, and every record through that ring (``record_ring``). A second subscription
+        key, ...)``. A frontend on this engine's host (``host``: its ``record_ring.host_id()``) gets two rings'
+        handles first instead (``record_ring``): every record comes through one, and adds may go in through
+        the other (their results come back in a record). A second subscription
         under the same name ends the first. When the stream ends (its frontend died or cancelled it), the
         frontend's unfinished requests are aborted."""
         await self._started()
@@ -281,13 +283,14 @@ class EngineService:
             old.replaced = True
             old.wake.set()
         sub = self._subscribers[subscriber] = _Subscriber()
-        ring = None
+        ring = adds = None
         if host is not None and host == host_id():
             loop = asyncio.get_running_loop()
             ring = RecordWriter(on_gone=lambda: loop.call_soon_threadsafe(sub.wake.set), on_sent=self._count_record)
+            adds = AddRing(lambda batch: self._add_from_ring(subscriber, sub, batch))
             sub.watch = loop.call_later(RING_CHECK_S, self._watch_ring, ring, sub, loop.time() + RING_ATTACH_S)
         try:
-            yield [] if ring is None else ring.handle
+            yield [] if ring is None else RingHandles(ring.handle, adds.handle)
             while True:
                 await sub.wake.wait()
                 if ring is not None and ring.gone is not None:
@@ -306,10 +309,24 @@ class EngineService:
         finally:
             if ring is not None:
                 sub.watch.cancel()
+                adds.close()
                 ring.close()
             if self._subscribers.get(subscriber) is sub:
                 del self._subscribers[subscriber]
             self._abort_all(sub)
+
+    def _add_from_ring(self, subscriber: str, sub: _Subscriber, batch: list) -> None:
+        """A burst of adds from the add ring: as ``add_requests``; the results go back in the next record."""
+        async def add() -> None:
+            try:
+                results = await self.add_requests(subscriber, batch)
+            except Exception as exc:  # noqa: BLE001 - every add of the burst is refused with it
+                results = [exc] * len(batch)
+            sub.pending.append((ADDED, [(entry[0], result) for entry, result in zip(batch, results)]))
+            sub.wake.set()
+        task = asyncio.get_running_loop().create_task(add())
+        self._adding.add(task)
+        task.add_done_callback(self._adding.discard)
 
     def _watch_ring(self, ring: RecordWriter, sub: _Subscriber, attach_by: float) -> None:
         """Every ``RING_CHECK_S``: a reader that died while nothing was sent, or never attached, ends the

@@ -1,17 +1,22 @@
-"""A subscription's records through shared memory when the frontend runs on the engine's host.
+"""A subscription's traffic through shared memory when the frontend runs on the engine's host.
 
-A Ray stream item costs 2-4 ms from the engine's ``yield`` to the frontend's loop on a 2-core machine
-(gRPC and the core worker's threads on both sides), and every streamed token waits for one. On one host
-the records go through a one-reader ``ShmBroadcast`` ring instead (``workers/shm_channel.py``, the ring
-the workers' steps travel on): the engine's writer thread copies a record in and wakes the frontend's
-event loop through the ring's socket, which ``add_reader`` watches. The Ray stream stays open for what
-Ray is good at: it carries the ring's handle, and its end tells the frontend that the engine stopped or
-died.
+A Ray message costs 2-4 ms between the engine's actor and the frontend's event loop on a 2-core machine
+(gRPC and the core worker's threads on both sides), and a request's first token pays two: its add and the
+record that carries the token. On one host both go through ``ShmBroadcast`` rings instead
+(``workers/shm_channel.py``, the rings the workers' steps travel on), each read on its reader's event loop
+(``LoopReader``: ``add_reader`` on the ring's wake-up socket):
 
-Backpressure is the Ray stream's: the ring holds ``SLOTS`` records; while it is full the writer thread
-waits and the subscription's updates pile up and go later as one record, so a frontend whose loop lags
-gets the steps it missed merged, and an engine never queues one message per step for it. A writer waiting
-on a reader that died, or a reader that detached, ends the subscription (its requests are aborted).
+- records, engine to frontend: the engine's writer thread (``RecordWriter``) copies each record in;
+- adds, frontend to engine: the frontend writes a burst of adds when the ring has room for it
+  (``try_send``; else it makes the Ray call), and their results come back in the next record, under the
+  key ``ADDED``.
+
+The Ray stream stays open for what Ray is good at: it carries the rings' handles, and its end tells the
+frontend that the engine stopped or died. Backpressure is the Ray stream's: the record ring holds
+``SLOTS`` records; while it is full the writer thread waits and the subscription's updates pile up and go
+later as one record, so a frontend whose loop lags gets the steps it missed merged, and an engine never
+queues one message per step for it. A reader that died or detached ends the subscription (its requests
+are aborted).
 """
 from __future__ import annotations
 
@@ -20,11 +25,22 @@ import pickle
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from workers.shm_channel import ChannelClosed, ChannelError, ChannelHandle, ShmBroadcast, ShmReader
+from workers.shm_channel import ChannelClosed, ChannelError, ChannelHandle, ShmBroadcast, ShmReader, ShmSegment
 
 SLOTS = 4                   # records in flight before the writer waits (and the subscription merges)
 SLOT_BYTES = 256 << 10      # a 256-stream step's record fits one slot; larger ones travel in fragments
+ADD_SLOTS, ADD_SLOT_BYTES = 16, 64 << 10   # a burst that does not fit goes as a Ray call
+ADDED = -1                  # a record entry (ADDED, [(key, engine id or refusal), ...]): adds' results
+
+
+@dataclass(frozen=True)
+class RingHandles:
+    """What the engine's stream sends first to a frontend on its host."""
+
+    records: ChannelHandle
+    adds: ChannelHandle
 
 
 def host_id() -> str:
@@ -38,9 +54,9 @@ def host_id() -> str:
 
 
 class RecordWriter:
-    """The engine's end: ``put(record)`` from the event loop; a thread writes what piled up, one message
-    per ring slot freed. ``gone`` is set (and ``on_gone`` called on the thread) when the reader died or
-    detached; ``on_sent`` after each message written."""
+    """The engine's end of the record ring: ``put(record)`` from the event loop; a thread writes what piled
+    up, one message per ring slot freed. ``gone`` is set (and ``on_gone`` called on the thread) when the
+    reader died or detached; ``on_sent`` after each message written."""
 
     def __init__(self, on_gone: Callable[[], None], on_sent: Callable[[], None]):
         self.ring = ShmBroadcast(1, slots=SLOTS, slot_bytes=SLOT_BYTES, spin_s=0.0, poll_s=0.5)
@@ -91,13 +107,28 @@ class RecordWriter:
             self.ring.close()
 
 
-class RecordReader:
-    """The frontend's end, on its event loop: each record to ``on_record`` as it arrives; ``done`` resolves
-    once the writer closed the ring and every record was read (None), or with the error that ended it."""
+class AddRing:
+    """The engine's end of the add ring: it owns the segment (the frontend writes) and reads each burst of
+    adds on its event loop."""
 
-    def __init__(self, handle: ChannelHandle, on_record: Callable[[list], None]):
+    def __init__(self, on_adds: Callable[[list], None]):
+        self.segment = ShmSegment(1, slots=ADD_SLOTS, slot_bytes=ADD_SLOT_BYTES)
+        self.handle: ChannelHandle = self.segment.handle
+        self.reader = LoopReader(self.handle, on_adds)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.segment.close()
+
+
+class LoopReader:
+    """A ring's reader on the running event loop: each message, unpickled, to ``on_message`` as it arrives;
+    ``done`` resolves once the writer closed the ring and every message was read (None), or with the error
+    that ended it."""
+
+    def __init__(self, handle: ChannelHandle, on_message: Callable[[object], None]):
         self.reader = ShmReader(handle, 0, spin_s=0.0, poll_s=1.0)
-        self._on_record = on_record
+        self._on_message = on_message
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future = self._loop.create_future()
         self.reader.arm()
@@ -116,7 +147,7 @@ class RecordReader:
             else:
                 if data is None:
                     return
-                self._on_record(pickle.loads(data))
+                self._on_message(pickle.loads(data))
 
     async def drained(self, timeout: float) -> None:
         """After the engine's stream ended: wait (bounded) for the records it wrote before, then stop."""
@@ -142,3 +173,17 @@ class RecordReader:
         if not self.reader.closed:
             self._finish(ChannelError("closed"))
             self.reader.close()
+
+
+class AddWriter:
+    """The frontend's end of the add ring, on its event loop: ``try_send(entries)`` is False when the ring
+    has no room for them (the caller makes the Ray call instead)."""
+
+    def __init__(self, handle: ChannelHandle):
+        self.ring = ShmBroadcast.attach(handle, spin_s=0.0, poll_s=1.0)
+
+    def try_send(self, entries: list) -> bool:
+        return self.ring.try_send(pickle.dumps(entries, protocol=5))
+
+    def close(self) -> None:
+        self.ring.close()

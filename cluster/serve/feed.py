@@ -31,9 +31,9 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.engine.types import SamplingParams, StreamItem
-from cluster.ray.record_ring import RecordReader, host_id
+from cluster.ray.record_ring import ADDED, AddWriter, LoopReader, RingHandles, host_id
 from cluster.routing.prompt import PromptHashes
-from workers.shm_channel import ChannelError, ChannelHandle
+from workers.shm_channel import ChannelError
 
 from .openai import RETRY_ELSEWHERE, APIError, engine_restarted, error_from_engine, error_from_item
 
@@ -55,6 +55,8 @@ class EngineFeed:
         self._keys = itertools.count()
         self._adding: list[tuple[tuple, asyncio.Future]] = []   # adds of this turn of the loop, not sent yet
         self._sending: set[asyncio.Task] = set()
+        self._adds: AddWriter | None = None                   # the add ring, when the engine is on this host
+        self._ring_adds: dict[int, asyncio.Future] = {}       # adds sent through it, until their results come
         loop = asyncio.get_running_loop()
         self._opened = loop.create_future()
         self._task = loop.create_task(self._follow())
@@ -70,13 +72,17 @@ class EngineFeed:
                 stream = self.handle.subscribe.options(
                     num_returns="streaming", _generator_backpressure_num_objects=1).remote(self.subscriber, host)
                 first = await (await stream.__anext__())
-                if not isinstance(first, ChannelHandle):
+                if not isinstance(first, RingHandles):
                     break
-                try:   # the engine is on this host: its records come through shared memory from now on
-                    ring = RecordReader(first, self._sort)
+                try:   # the engine is on this host: records and adds go through shared memory from now on
+                    ring = LoopReader(first.records, self._sort)
+                    self._adds = AddWriter(first.adds)
                     break
                 except ChannelError as exc:   # this host's /dev/shm is not the engine's after all
-                    log.warning("the engine's record ring cannot be opened here (%s); using its Ray stream", exc)
+                    log.warning("the engine's rings cannot be opened here (%s); using Ray messages", exc)
+                    if ring is not None:
+                        ring.close()
+                        ring = None
                     ray.cancel(stream)
                     host = None
             self._opened.set_result(None)
@@ -94,7 +100,12 @@ class EngineFeed:
             error = SubscriptionLost(f"the engine's stream failed: {exc!r}")
         if ring is not None and not ring.reader.closed:   # what the engine wrote before its stream ended counts
             await ring.drained(RING_DRAIN_S)
+        if self._adds is not None:
+            self._adds.close()
         self.error = error
+        for key, future in self._ring_adds.items():
+            self._resolve(key, future, error)
+        self._ring_adds.clear()
         if not self._opened.done():
             self._opened.set_exception(error)
             self._opened.exception()                         # retrieved: callers see it through ``add``
@@ -106,6 +117,12 @@ class EngineFeed:
     def _sort(self, record: list) -> None:
         """Each update of a record to its request's queue."""
         for key, item in record:
+            if key == ADDED:
+                for added, result in item:
+                    future = self._ring_adds.pop(added, None)
+                    if future is not None:
+                        self._resolve(added, future, result)
+                continue
             queue = self.queues.get(key, False)
             if queue is None:                         # its add call was cancelled: nobody waits
                 del self.queues[key]
@@ -143,8 +160,13 @@ class EngineFeed:
 
     def _send_adds(self) -> None:
         batch, self._adding = self._adding, []
+        entries = [entry for entry, _ in batch]
+        if self._adds is not None and self.error is None and self._adds.try_send(entries):
+            for (key, *_), future in batch:          # their results come in a record
+                self._ring_adds[key] = future
+            return
         try:
-            ref = self.handle.add_requests.remote(self.subscriber, [entry for entry, _ in batch])
+            ref = self.handle.add_requests.remote(self.subscriber, entries)
         except Exception as exc:  # noqa: BLE001 - each waiting add raises it
             ref = exc
         task = asyncio.get_running_loop().create_task(self._settle(ref, batch))
@@ -158,11 +180,15 @@ class EngineFeed:
         except Exception as exc:  # noqa: BLE001
             results = [exc] * len(batch)
         for ((key, *_), future), result in zip(batch, results):
-            refused = isinstance(result, BaseException)
-            if not future.done():
-                (future.set_exception if refused else future.set_result)(result)
-            elif refused and self.queues.get(key, False) is None:   # its client left, and nothing was queued
-                del self.queues[key]
+            self._resolve(key, future, result)
+
+    def _resolve(self, key: int, future: asyncio.Future, result) -> None:
+        """An add's engine id or refusal to the caller waiting on it."""
+        refused = isinstance(result, BaseException)
+        if not future.done():
+            (future.set_exception if refused else future.set_result)(result)
+        elif refused and self.queues.get(key, False) is None:   # its client left, and nothing was queued
+            del self.queues[key]
 
     def release(self, key: int, abort_id: str | None = None) -> None:
         """The request's consumer is done; ``abort_id``: the engine request to abort (it had not finished)."""

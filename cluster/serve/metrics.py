@@ -40,9 +40,11 @@ _METRICS = (
     ("swakv_kv_host_load_failures_total", "kv_host_load_failures", "counter",
      "Requests whose loads from the host tier failed (host memory lost); they recompute."),
     ("swakv_stream_records_total", "stream_records", "counter",
-     "Records sent to HTTP frontends' subscriptions (one Ray message each, one per step per frontend at most)."),
+     "Records sent to HTTP frontends' subscriptions (one message each, a shared-memory ring's on the engine's "
+     "host, else Ray's; one per step per frontend at most, plus one per burst of adds through a ring)."),
     ("swakv_add_calls_total", "add_calls", "counter",
-     "Calls from HTTP frontends that queued requests (one Ray message each; a burst of requests shares one)."),
+     "Bursts of adds from HTTP frontends (one message each, through a ring on the engine's host, else a Ray "
+     "call; a burst of requests shares one)."),
 )
 
 
