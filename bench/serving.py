@@ -8,8 +8,9 @@ every run so no run hits the prefix cache of another; 64 tokens out, ignore_eos,
 prints per run: output tokens/s, TTFT p50/p99, ITL p50/p99 (a stream's mean gap between tokens, from
 its first to its last, as the issue's reproducer measures it) and the p50/p99 of every single gap
 between two token events of a stream (vLLM's ITL; near 0 when events arrive in bursts), the client's own CPU share (one asyncio thread: near 100% of a core it is the limit, and the
-row says so), the CPU share of each server process under load, engine steps and engine->replica stream
-messages per step (``swakv_stream_records_total``: one per step per HTTP replica at most; a server that
+row says so), the CPU share of each server process under load, engine steps and engine->replica record
+messages per step (``swakv_stream_records_total``: one per step per HTTP replica at most, through a
+shared-memory ring when the replica is on the engine's host, else a Ray stream item; a server that
 streams per token has no such counter and the bench counts token events instead). Beside each
 run, the in-process engine (the same simulated workers driven directly, as ``bench/step_overhead.py``
 does) on the same trace: its tokens/s, TTFT and ITL, and the served/in-process ratio.
@@ -183,7 +184,7 @@ class Server:
             time.sleep(1)
 
     def counters(self) -> dict[str, float]:
-        """The engine's counters this bench reads from /metrics: steps (``swakv_steps_total``), the Ray
+        """The engine's counters this bench reads from /metrics: steps (``swakv_steps_total``), the record
         messages it sent the HTTP side (``swakv_stream_records_total``; absent from a server that streams
         one message per token) and its core thread's time in steps, working and waiting for the workers
         (``swakv_step_{work,wait}_seconds_total``). Empty if /metrics did not answer."""
@@ -556,8 +557,8 @@ def render(cfg: dict) -> str:
                      f"{'!' if r['client_bound'] else ' '}{cpu_per_token_us(r):>6.0f}{r['errors'] + r['incomplete']:>4}  {busiest}")
     lines.append("  (ms; ITL = a stream's mean gap between tokens; gap = every gap between two token events; "
                  "engine = the in-process engine on the same trace; ratio = served / engine tok/s; step* = the "
-                 "modelled decode step at that batch; work/st, wait/st = the engine core's time per step working and waiting for the workers; items/st = engine->HTTP Ray messages per step (token events per "
-                 "step for a per-token server); req/add = requests per Ray call that queued them (a burst shares one); tok/ev = tokens per SSE event (> 1: lagging streams got several at once); client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit; us/tok = the server "
+                 "modelled decode step at that batch; work/st, wait/st = the engine core's time per step working and waiting for the workers; items/st = engine->HTTP record messages per step (token events per "
+                 "step for a per-token server); req/add = requests per message that queued them (a burst shares one); tok/ev = tokens per SSE event (> 1: lagging streams got several at once); client = the bench client's CPU, ! = >= 80% of its one thread: the client may be the limit; us/tok = the server "
                  "processes' CPU per token streamed, in microseconds: on C cores the served path cannot pass C x 1e6 / us/tok tok/s)")
     idle = cfg.get("idle") or []
     lines.append("idle CPU per process (% of one core): " + ", ".join(

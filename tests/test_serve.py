@@ -384,6 +384,18 @@ def test_the_edge_engine_and_worker_processes_froze_their_start_up_heaps(url):
         assert cycle_collected(actor)
 
 
+def test_the_edge_on_the_engines_host_adds_and_reads_through_shared_memory_rings(url):
+    """The test's edge runs on the engine's host: its subscription got the rings (``record_ring``), not Ray
+    stream items, and no add waits for a result after its request finished."""
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 3)
+    edge = ray.get_actor("test-serve-http-0", namespace=NAMESPACE)
+    feeds = ray.get(edge.__ray_call__.remote(lambda self: [
+        (type(f._records).__name__, type(f._adds).__name__, len(f._ring_adds)) for f in self.server._feeds._feeds.values()]),
+        timeout=30)
+    assert feeds == [("LoopReader", "AddWriter", 0)]
+
+
 def test_a_frontend_that_lags_gets_the_steps_it_missed_merged_into_one_record(url):
     """The subscription keeps at most ``SLOTS`` records unread (a frontend on the engine's host reads them from
     a shared-memory ring of that many slots; Ray's generator backpressure keeps one elsewhere): while the

@@ -154,6 +154,19 @@ def test_try_recv_drains_what_a_closed_writer_sent_then_says_closed():
         reader.close()
 
 
+def test_try_send_writes_a_message_only_when_all_of_it_fits_now():
+    with ShmBroadcast(1, slots=4, slot_bytes=64) as writer:
+        reader = ShmReader(writer.handle, 0)
+        assert writer.try_send(b"x" * 64 * 3)                 # three slots of four
+        assert not writer.try_send(b"y" * 65)                 # two more needed: nothing written
+        assert writer.try_send(b"z" * 64)
+        assert not writer.try_send(b"")                       # even an empty message needs a slot
+        assert reader.try_recv() == b"x" * 192
+        assert writer.try_send(b"y" * 65)
+        assert [reader.try_recv(), reader.try_recv(), reader.try_recv()] == [b"z" * 64, b"y" * 65, None]
+        reader.close()
+
+
 def test_a_writer_tells_readers_that_never_attached_from_those_that_died():
     out = CTX.Queue()
     with ShmBroadcast(1, slots=2, slot_bytes=64) as writer:

@@ -32,6 +32,7 @@ from workers.shm_channel import ChannelClosed, ChannelError, ChannelHandle, ShmB
 SLOTS = 4                   # records in flight before the writer waits (and the subscription merges)
 SLOT_BYTES = 256 << 10      # a 256-stream step's record fits one slot; larger ones travel in fragments
 ADD_SLOTS, ADD_SLOT_BYTES = 16, 64 << 10   # a burst that does not fit goes as a Ray call
+DRAIN_POLL_S = 0.05         # how often a reader draining a ring after its stream ended checks on the writer
 ADDED = -1                  # a record entry (ADDED, [(key, engine id or refusal), ...]): adds' results
 
 
@@ -150,14 +151,16 @@ class LoopReader:
                 self._on_message(pickle.loads(data))
 
     async def drained(self, timeout: float) -> None:
-        """After the engine's stream ended: wait (bounded) for the records it wrote before, then stop."""
-        if not self.done.done() and not self.reader.writer_alive():
-            self._readable()              # a dead writer closes nothing: read what it left
-            self._finish(ChannelError("the engine died"))
-        try:
-            await asyncio.wait_for(asyncio.shield(self.done), timeout)
-        except (asyncio.TimeoutError, ChannelError):
-            pass
+        """After the engine's stream ended: wait (bounded) for the messages its writer sent before, then stop.
+        Ray may end the stream of a killed engine before its process has exited: until the writer closes
+        the ring or its process is gone, look again every ``DRAIN_POLL_S``."""
+        deadline = self._loop.time() + timeout
+        while not self.done.done() and self._loop.time() < deadline:
+            if not self.reader.writer_alive():
+                self._readable()          # a dead writer closes nothing: read what it left
+                self._finish(ChannelError("the writer died"))
+                break
+            await asyncio.wait([self.done], timeout=DRAIN_POLL_S)
         self.close()
 
     def _finish(self, error: BaseException | None) -> None:

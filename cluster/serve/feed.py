@@ -55,7 +55,8 @@ class EngineFeed:
         self._keys = itertools.count()
         self._adding: list[tuple[tuple, asyncio.Future]] = []   # adds of this turn of the loop, not sent yet
         self._sending: set[asyncio.Task] = set()
-        self._adds: AddWriter | None = None                   # the add ring, when the engine is on this host
+        self._records: LoopReader | None = None               # the record ring, when the engine is on this host
+        self._adds: AddWriter | None = None                   # the add ring, then
         self._ring_adds: dict[int, asyncio.Future] = {}       # adds sent through it, until their results come
         loop = asyncio.get_running_loop()
         self._opened = loop.create_future()
@@ -66,7 +67,7 @@ class EngineFeed:
         return self.error is None
 
     async def _follow(self) -> None:
-        ring, host = None, host_id()
+        host, closed = host_id(), False
         try:
             while True:
                 stream = self.handle.subscribe.options(
@@ -75,34 +76,36 @@ class EngineFeed:
                 if not isinstance(first, RingHandles):
                     break
                 try:   # the engine is on this host: records and adds go through shared memory from now on
-                    ring = LoopReader(first.records, self._sort)
+                    self._records = LoopReader(first.records, self._sort)
                     self._adds = AddWriter(first.adds)
                     break
                 except ChannelError as exc:   # this host's /dev/shm is not the engine's after all
                     log.warning("the engine's rings cannot be opened here (%s); using Ray messages", exc)
-                    if ring is not None:
-                        ring.close()
-                        ring = None
+                    if self._records is not None:
+                        self._records.close()
+                        self._records = None
                     ray.cancel(stream)
                     host = None
             self._opened.set_result(None)
             while True:
                 self._sort(await (await stream.__anext__()))
         except asyncio.CancelledError:
-            error = SubscriptionLost("the subscription was closed")
-            if ring is not None:
-                ring.close()
+            error, closed = SubscriptionLost("the subscription was closed"), True
+            if self._records is not None:
+                self._records.close()
         except StopAsyncIteration:
             error = SubscriptionLost("the engine ended its stream")
         except RayActorError as exc:
             error = SubscriptionLost(f"the engine is gone ({type(exc).__name__})")
         except Exception as exc:  # noqa: BLE001 - whatever ends the stream ends every request on it
             error = SubscriptionLost(f"the engine's stream failed: {exc!r}")
-        if ring is not None and not ring.reader.closed:   # what the engine wrote before its stream ended counts
-            await ring.drained(RING_DRAIN_S)
+        self.error = error                                # new requests go to a new subscription from now on
         if self._adds is not None:
             self._adds.close()
-        self.error = error
+        if self._records is not None and not self._records.reader.closed:
+            await self._records.drained(RING_DRAIN_S)    # what the engine wrote before its stream ended counts
+        if not closed:
+            log.warning("%s: %s", self.subscriber, error)
         for key, future in self._ring_adds.items():
             self._resolve(key, future, error)
         self._ring_adds.clear()
