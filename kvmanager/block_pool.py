@@ -85,11 +85,19 @@ class BlockPool:
     def take(self, n: int, group: int) -> list[Block]:
         """``n`` blocks for ``group``, each forgetting what it cached (callers checked the units suffice)."""
         width = self.widths[group]
-        if n == 1 and width == 1:          # the decode path: one unit, while never-used ones are left
-            block = self.free.pop_empty_unit()
-            if block is not None:
-                if block.block_hash is not None:
+        if n == 1:                         # the decode path: one block, while never-used units are left
+            if width == 1:
+                block = self.free.pop_empty_unit()
+                if block is not None and block.block_hash is not None:
                     self._uncache(block)
+            else:
+                units = self.free.pop_empty_run(group)
+                block = None
+                if units is not None:      # k loose units that hold nothing: nothing to forget or dissolve
+                    block = self.blocks[units[0]]
+                    block.kind, block.units = group, units
+                    self._compositions.append((group, block.block_id, units))
+            if block is not None:
                 block.ref_cnt = 1
                 block.shared = False
                 return [block]
