@@ -176,9 +176,10 @@ class BlockPool:
             self.free.learn(parent, block_hash)
         block.group = group
         block.block_hash = block_hash
-        entry = self._cached[group].get(block_hash)
+        cached = self._cached[group]
+        entry = cached.get(block_hash)
         if entry is None:
-            self._cached[group][block_hash] = {block.block_id: block}
+            cached[block_hash] = {block.block_id: block}
             if self.events is not None:
                 self.events.stored(group, block_hash, parent, index, token_ids or [])
         else:
