@@ -251,7 +251,7 @@ class FreeQueue:
                 continue
             inside = floor.freed((block.group, block.block_hash), len(block.units))
             self._lru_push(block, self._lru_in if inside else self._lru_out)
-        floor.trim(self.lru_units)
+        floor.trim(self._lru_in.units + self._lru_out.units)
 
     @property
     def lru_units(self) -> int:
@@ -400,9 +400,8 @@ class FreeQueue:
         if at + k > len(self._never):
             return None
         empty = self._tiers[EMPTY]
-        first = self._never[at].order
         for q in (empty.loose, empty.composites[kind]):    # pushed to the back (after them), as a rule
-            if q and next(iter(q.values())).order < first:
+            if q and next(iter(q.values())).order < self._never[at].order:
                 return None
         self.fresh = True
         self._never_at = at + k
