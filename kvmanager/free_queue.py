@@ -249,7 +249,8 @@ class FreeQueue:
         for block in blocks:
             if block.ref_cnt or block.block_hash is None:
                 continue
-            inside = floor.freed((block.group, block.block_hash), len(block.units))
+            width = 1 if block.kind < 0 else self.widths[block.kind]
+            inside = floor.freed((block.group, block.block_hash), width)
             self._lru_push(block, self._lru_in if inside else self._lru_out)
         floor.trim(self._lru_in.units + self._lru_out.units)
 
@@ -260,12 +261,12 @@ class FreeQueue:
     def _lru_push(self, block, b: Bin) -> None:
         (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id] = block
         block.lru = b
-        b.units += len(block.units)
+        b.units += 1 if block.kind < 0 else self.widths[block.kind]
 
     def _lru_unlink(self, block) -> None:
         b = block.lru
         del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
-        b.units -= len(block.units)
+        b.units -= 1 if block.kind < 0 else self.widths[block.kind]
         block.lru = None
 
     def _left_shadow(self, key: tuple[int, bytes]) -> None:
@@ -579,7 +580,7 @@ class FreeQueue:
     def _unlink(self, entry) -> None:
         b = entry.bin
         del (b.loose if entry.kind < 0 else b.composites[entry.kind])[entry.block_id]
-        n = len(entry.units)
+        n = 1 if entry.kind < 0 else self.widths[entry.kind]
         b.units -= n
         self.num_free_units -= n
         if entry.lru is not None:
@@ -625,7 +626,8 @@ class FreeQueue:
             block.order = self._back
             self._back += 1
         block.bin = b
-        n = len(block.units)
+        # its units by its kind, not len(block.units): a freed block's tuple is cold memory by now
+        n = 1 if block.kind < 0 else self.widths[block.kind]
         b.units += n
         self.num_free_units += n
 
