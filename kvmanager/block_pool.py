@@ -85,34 +85,50 @@ class BlockPool:
     def take(self, n: int, group: int) -> list[Block]:
         """``n`` blocks for ``group``, each forgetting what it cached (callers checked the units suffice)."""
         width = self.widths[group]
-        if n == 1 and width == 1:          # the decode path: one unit, while never-used ones are left
-            block = self.free.pop_empty_unit()
-            if block is not None:
-                if block.block_hash is not None:
+        free = self.free
+        if n == 1:                         # the decode path, while never-used units are left: no loop
+            if width == 1:
+                block = free.pop_empty_unit()
+                if block is not None and block.block_hash is not None:
                     self._uncache(block)
+            else:
+                units = free.pop_empty_run(group)
+                block = None if units is None else self._fresh(group, units)
+            if block is not None:
                 block.ref_cnt = 1
                 block.shared = False
                 return [block]
-        if n * width > self.free.num_free_units:
-            raise RuntimeError(f"asked for {n} blocks of {width} units, {self.free.num_free_units} units free")
+        if n * width > free.num_free_units:
+            raise RuntimeError(f"asked for {n} blocks of {width} units, {free.num_free_units} units free")
         out = []
         for _ in range(n):
-            entries = self.free.take(group)
-            first = entries[0]
-            if len(entries) == 1 and (first.kind == group or (width == 1 and first.kind < 0)):
-                block = first          # a same-kind composite (or a loose unit for a width-1 group) as is
-                if block.block_hash is not None:
-                    self._uncache(block)
-            elif self.free.fresh:      # k loose units that hold nothing: nothing to forget or dissolve
-                block = first
-                block.kind, block.units = group, tuple([e.block_id for e in entries])
-                self._compositions.append((group, block.block_id, block.units))
+            units = free.pop_empty_run(group) if width > 1 else None
+            if units is not None:
+                block = self._fresh(group, units)
             else:
-                block = self._compose(entries, group, width)
+                entries = free.take(group)
+                first = entries[0]
+                if len(entries) == 1 and (first.kind == group or (width == 1 and first.kind < 0)):
+                    block = first          # a same-kind composite (or a loose unit for a width-1 group) as is
+                    if block.block_hash is not None:
+                        self._uncache(block)
+                elif free.fresh:           # k loose units that hold nothing: nothing to forget or dissolve
+                    block = first
+                    block.kind, block.units = group, tuple([e.block_id for e in entries])
+                    self._compositions.append((group, block.block_id, block.units))
+                else:
+                    block = self._compose(entries, group, width)
             block.ref_cnt = 1
             block.shared = False
             out.append(block)
         return out
+
+    def _fresh(self, group: int, units: tuple[int, ...]) -> Block:
+        """A block of never-used units (``free.pop_empty_run``): nothing to forget or dissolve."""
+        block = self.blocks[units[0]]
+        block.kind, block.units = group, units
+        self._compositions.append((group, block.block_id, units))
+        return block
 
     def _compose(self, entries: list[Block], group: int, width: int) -> Block:
         """A block of ``width`` units from the entries' units (in order); the rest go back as loose units."""
@@ -168,9 +184,10 @@ class BlockPool:
             self.free.learn(parent, block_hash)
         block.group = group
         block.block_hash = block_hash
-        entry = self._cached[group].get(block_hash)
+        cached = self._cached[group]
+        entry = cached.get(block_hash)
         if entry is None:
-            self._cached[group][block_hash] = {block.block_id: block}
+            cached[block_hash] = {block.block_id: block}
             if self.events is not None:
                 self.events.stored(group, block_hash, parent, index, token_ids or [])
         else:

@@ -151,9 +151,18 @@ class FreeQueue:
         self._chain_units = 0          # units waiting in chain batches (quick ones included)
         self._proven_evicted = 0       # proven units ever evicted
         self.fresh = False            # the last take's entries are loose units holding nothing
+        # The units given here (never used): the empty tier's loose units, in this order, behind any pushed
+        # to its front and ahead of any pushed to its back. They wait outside its dict, from ``_never_at``
+        # on, so a block of k of them is one slice, not k dict deletions (``pop_empty_run``).
         empty = self._tiers[EMPTY]
+        self._never = list(units)
+        self._never_ids = [u.block_id for u in units]
+        self._never_at = 0
         for unit in units:
-            self._push(unit, empty)
+            unit.order = self._back
+            self._back += 1
+            unit.bin = empty
+        empty.units = self.num_free_units = len(units)
 
     def __len__(self) -> int:
         return self.num_free_units
@@ -240,9 +249,10 @@ class FreeQueue:
         for block in blocks:
             if block.ref_cnt or block.block_hash is None:
                 continue
-            inside = floor.freed((block.group, block.block_hash), len(block.units))
+            width = 1 if block.kind < 0 else self.widths[block.kind]
+            inside = floor.freed((block.group, block.block_hash), width)
             self._lru_push(block, self._lru_in if inside else self._lru_out)
-        floor.trim(self.lru_units)
+        floor.trim(self._lru_in.units + self._lru_out.units)
 
     @property
     def lru_units(self) -> int:
@@ -251,12 +261,12 @@ class FreeQueue:
     def _lru_push(self, block, b: Bin) -> None:
         (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id] = block
         block.lru = b
-        b.units += len(block.units)
+        b.units += 1 if block.kind < 0 else self.widths[block.kind]
 
     def _lru_unlink(self, block) -> None:
         b = block.lru
         del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
-        b.units -= len(block.units)
+        b.units -= 1 if block.kind < 0 else self.widths[block.kind]
         block.lru = None
 
     def _left_shadow(self, key: tuple[int, bytes]) -> None:
@@ -377,21 +387,37 @@ class FreeQueue:
         """The front loose unit of the empty tier (holding nothing), or None: ``take`` of a width-1 kind
         while there is one, without its generality."""
         empty = self._tiers[EMPTY]
-        if not empty.loose:
+        if not empty.loose and self._never_at == len(self._never):
             return None
         self.fresh = True
-        unit = empty.loose.popitem(last=False)[1]
-        empty.units -= 1
-        self.num_free_units -= 1
-        return unit
+        return self._pop_empty(1)[0]
+
+    def pop_empty_run(self, kind: int) -> tuple[int, ...] | None:
+        """The ids of ``k`` never-used units at the empty tier's front for a block of ``kind`` (width ``k``),
+        or None where ``take`` must look further (fewer of them left, or other entries wait in front of
+        them): ``take``'s common case while the pool has room, one slice (gemma's sliding block is 26 units)."""
+        k = self.widths[kind]
+        at = self._never_at
+        if at + k > len(self._never):
+            return None
+        empty = self._tiers[EMPTY]
+        for q in (empty.loose, empty.composites[kind]):    # pushed to the back (after them), as a rule
+            if q and next(iter(q.values())).order < self._never[at].order:
+                return None
+        self.fresh = True
+        self._never_at = at + k
+        empty.units -= k
+        self.num_free_units -= k
+        return tuple(self._never_ids[at:at + k])
 
     def _take(self, kind: int) -> list:
         k = self.widths[kind]
         tiers = self._tiers
         empty = tiers[EMPTY]
-        if len(empty.loose) >= k and not (k > 1 and empty.composites[kind]):
+        if len(empty.loose) + len(self._never) - self._never_at >= k and not (k > 1 and empty.composites[kind]):
             self.fresh = True                            # the common case while the pool has room
             return self._pop_empty(k)
+        self._settle()
         self.fresh = False
         if k == 1 and not self.floor.follow_lru:         # the front loose unit of the first tier with room
             for b in tiers:
@@ -497,13 +523,35 @@ class FreeQueue:
             p = next(proven, None)
 
     def _pop_empty(self, n: int) -> list:
-        """The ``n`` front loose units of the empty tier."""
+        """The ``n`` front loose units of the empty tier: those pushed to its front, the never-used ones,
+        those pushed to its back."""
         empty = self._tiers[EMPTY]
-        popitem = empty.loose.popitem
-        out = [popitem(last=False)[1] for _ in range(n)]
+        loose = empty.loose
+        never, at = self._never, self._never_at
+        out = []
+        for _ in range(n):
+            if loose and (at == len(never) or next(iter(loose.values())).order < never[at].order):
+                out.append(loose.popitem(last=False)[1])
+            else:
+                out.append(never[at])
+                at += 1
+        self._never_at = at
         empty.units -= n
         self.num_free_units -= n
         return out
+
+    def _settle(self) -> None:
+        """Enter the never-used units left into the empty tier's dict, in their place, for the general take
+        (in practice fewer than a block's width are left by the time it runs with them)."""
+        never = self._never[self._never_at:]
+        if never:
+            loose = self._tiers[EMPTY].loose
+            behind = [e for e in loose.values() if e.order > never[0].order]
+            for e in never:
+                loose[e.block_id] = e
+            for e in behind:
+                loose.move_to_end(e.block_id)
+        self._never, self._never_ids, self._never_at = [], [], 0
 
     def _pop(self, entry, b: Bin):
         """Take ``entry`` (visited in bin ``b``) for new content (a tier-3 entry with a hash leaves a ghost)."""
@@ -532,7 +580,7 @@ class FreeQueue:
     def _unlink(self, entry) -> None:
         b = entry.bin
         del (b.loose if entry.kind < 0 else b.composites[entry.kind])[entry.block_id]
-        n = len(entry.units)
+        n = 1 if entry.kind < 0 else self.widths[entry.kind]
         b.units -= n
         self.num_free_units -= n
         if entry.lru is not None:
@@ -578,7 +626,8 @@ class FreeQueue:
             block.order = self._back
             self._back += 1
         block.bin = b
-        n = len(block.units)
+        # its units by its kind, not len(block.units): a freed block's tuple is cold memory by now
+        n = 1 if block.kind < 0 else self.widths[block.kind]
         b.units += n
         self.num_free_units += n
 
@@ -600,7 +649,10 @@ class FreeQueue:
         """Every free entry (loose unit or composite) in eviction order, front first (tests, checks)."""
         out = []
         for b in self._bins():
-            out += b.entries()
+            if b is self._tiers[EMPTY] and self._never_at < len(self._never):
+                out += sorted(b.entries() + self._never[self._never_at:], key=lambda e: e.order)
+            else:
+                out += b.entries()
         return out
 
     def ids(self) -> list[int]:

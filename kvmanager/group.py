@@ -66,24 +66,29 @@ class KVCacheGroup:
         return sum(1 for i in self._droppable(request_id, table, num_computed)
                    if table[i].ref_cnt == 1 and not table[i].pinned)    # pinned: freed by its copy's fence
 
-    def _drop(self, request: Request, table: list[Block], num_computed: int) -> None:
+    def _drop(self, request: Request, table: list[Block], stop: int) -> None:
+        """Drop the table's real entries below index ``stop`` (the first block the next token needs)."""
         rid = request.request_id
-        span = self._droppable(rid, table, num_computed)
-        if not span:
+        start = self._num_dropped[rid]
+        if stop > len(table):
+            stop = len(table)
+        if stop <= start:
             return
-        dropped = table[span.start:span.stop]
-        table[span.start:span.stop] = [self.pool.null_block] * len(span)
-        self._num_dropped[rid] = span.stop
-        freed = self.pool.unref(dropped)
+        pool = self.pool
+        dropped = table[start:stop]
+        table[start:stop] = [pool.null_block] * (stop - start)
+        self._num_dropped[rid] = stop
+        freed = pool.unref(dropped)
         if freed:          # the free queue decides where they wait, from where a hit could still end:
             self.num_held -= len(freed)
+            free = pool.free
             bs = self.block_size
             end = (len(request.prompt_token_ids) - 1) // bs    # a resend's hit (in blocks)
-            lowest = max(0, end * bs - self.pool.free.last_message_tokens)   # or a fork in its last message
-            below_end = range(self.spec.first_needed_token(lowest) // bs if span.start < end else end, end)
-            below_fork = self._below_forks(request, span) if self.pool.free.forks else ()
-            tier = self.pool.tier      # the host tier stores what a hit can still need first
-            (self.pool.free if tier is None else tier).add_dropped(dropped, span.start, below_fork, below_end)
+            lowest = max(0, end * bs - free.last_message_tokens)   # or a fork in its last message
+            below_end = range(self.spec.first_needed_token(lowest) // bs if start < end else end, end)
+            below_fork = self._below_forks(request, range(start, stop)) if free.forks else ()
+            tier = pool.tier           # the host tier stores what a hit can still need first
+            (free if tier is None else tier).add_dropped(dropped, start, below_fork, below_end)
 
     def _below_forks(self, request: Request, span: range) -> set[int]:
         """Indices in ``span`` that a hit ending at a fork of the request's chain needs (a lookup or a
@@ -110,8 +115,10 @@ class KVCacheGroup:
         """Free what the request no longer needs (cheap when, as on most decode steps, nothing is)."""
         rid = request.request_id
         table = self.tables.get(rid)
-        if table and self.spec.first_needed_token(num_computed) // self.block_size > self._num_dropped[rid]:
-            self._drop(request, table, num_computed)
+        if table:
+            stop = self.spec.first_needed_token(num_computed) // self.block_size
+            if stop > self._num_dropped[rid]:
+                self._drop(request, table, stop)
 
     def append(self, request: Request, hit: list[Block], num_new: int, num_cacheable: int) -> list[int]:
         """Append the (already referenced) hit blocks and ``num_new`` fresh ones, cache what is full;
@@ -150,7 +157,7 @@ class KVCacheGroup:
             blocks = self.pool.take(num_new, self.group_id)
             self.num_held += num_new
             table.extend(blocks)
-            added = [b.block_id for b in blocks]
+            added = [blocks[0].block_id] if num_new == 1 else [b.block_id for b in blocks]
         else:
             added = []
         bs = self.block_size
@@ -170,10 +177,11 @@ class KVCacheGroup:
     def _cache_full_blocks(self, request: Request, table: list[Block], end: int) -> None:
         """Enter blocks ``[num_cached, end)``, full of known tokens once this step runs, into the cache."""
         rid = request.request_id
-        hashes = request.block_hashes(self.block_size)
-        cache, gid, null, learns = self.pool.cache, self.group_id, self.pool.null_block, self.learns_chains
-        tokens = request.all_token_ids if self.pool.events is not None else None   # events carry the block's tokens
         bs = self.block_size
+        hashes = request.block_hashes(bs)
+        pool = self.pool
+        cache, gid, null, learns = pool.cache, self.group_id, pool.null_block, self.learns_chains
+        tokens = request.all_token_ids if pool.events is not None else None   # events carry the block's tokens
         for i in range(self._num_cached[rid], end):
             block = table[i]
             if block is not null and block.block_hash is None:

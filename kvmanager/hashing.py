@@ -11,6 +11,7 @@ import sys
 from array import array
 from functools import lru_cache
 from hashlib import sha256
+from struct import Struct
 
 TOKEN_BYTES = 8   # tokens are hashed as little-endian int64
 HASH_BYTES = 32   # SHA-256 digests
@@ -36,8 +37,16 @@ def _pack(token_ids) -> bytes:
     return packed.tobytes()
 
 
+_ONE_BLOCK: dict[int, Struct] = {}   # block size -> its tokens' little-endian int64 layout
+
+
 def hash_blocks(parent: bytes, token_ids, block_size: int) -> list[bytes]:
     """The chain of hashes of consecutive full blocks of ``token_ids``, starting after ``parent``."""
+    if len(token_ids) == block_size:    # one block, a decode step's: packed without an array (twice as fast)
+        layout = _ONE_BLOCK.get(block_size)
+        if layout is None:
+            layout = _ONE_BLOCK[block_size] = Struct(f"<{block_size}q")
+        return [sha256(parent + layout.pack(*token_ids)).digest()]
     data = _pack(token_ids)
     step = block_size * TOKEN_BYTES
     out = []

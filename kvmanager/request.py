@@ -68,11 +68,12 @@ class Request:
         return len(self.all_token_ids)
 
     def append_output_token_ids(self, token_ids) -> None:
-        if (type(token_ids) in (list, tuple) and len(token_ids) == 1  # the decode path, checked cheaply
-                and type(token_ids[0]) is int and 0 <= token_ids[0] <= MAX_TOKEN_ID):
-            self.output_token_ids.append(token_ids[0])
-            self.all_token_ids.append(token_ids[0])
-            return
+        if (type(token_ids) is tuple or type(token_ids) is list) and len(token_ids) == 1:  # the decode path,
+            token = token_ids[0]                                                            # checked cheaply
+            if type(token) is int and 0 <= token <= MAX_TOKEN_ID:
+                self.output_token_ids.append(token)
+                self.all_token_ids.append(token)
+                return
         ids = _check_token_ids(token_ids, "output token ids")
         self.output_token_ids.extend(ids)
         self.all_token_ids.extend(ids)

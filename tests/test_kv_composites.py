@@ -12,6 +12,7 @@ import pytest
 
 from workers.wire import decode_step, encode_step
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager.block_pool import BlockPool
 from kvmanager.planning import kv_layout
 from workers.sim.presets import layer_specs
 from workers.protocol import StepInput
@@ -170,3 +171,20 @@ def test_compositions_travel_to_workers_as_runs_of_consecutive_units_whatever_th
     assert wired == [[0, 1, [1, 26]], [0, 27, [27, 26]], [1, 53, [53, 5]], [1, 58, [58, 5]],
                      [1, 3, [3, 1, 9, 3, 2, 1]]]
     assert decode_step(encode_step(step)).compositions == step.compositions
+
+
+def test_the_empty_tier_keeps_its_order_while_never_used_units_remain():
+    """Never-used units wait outside the empty tier's dict (``free_queue._never``) but in their place: after
+    leftovers pushed to its front, before empty blocks freed to its back; a wide block takes them in order."""
+    pool = BlockPool(12, 2, widths=(1, 3))                                    # units 1..11, never used
+    a, b, c = pool.take(1, 1)[0], pool.take(1, 0)[0], pool.take(1, 0)[0]
+    assert [a.units, b.block_id, c.block_id] == [(1, 2, 3), 4, 5]
+    pool.free.add_released([(x, False) for x in pool.unref([a, b])])          # nothing cached: the back
+    pool.free.add_leftover(pool.unref([c]))                                   # a leftover: the front
+    assert pool.free.ids() == [5, 6, 7, 8, 9, 10, 11, 1, 4] and pool.num_free_blocks == 11
+    pool.pop_compositions()
+    assert [pool.take(1, 1)[0].units for _ in range(2)] == [(5, 6, 7), (8, 9, 10)]   # loose in front of 1
+    assert pool.take(1, 1) == [a]                     # two loose left (11, 4): the free composite, as is
+    assert pool.pop_compositions() == [(1, 5, (5, 6, 7)), (1, 8, (8, 9, 10))]
+    assert [pool.take(1, 0)[0].block_id for _ in range(2)] == [11, 4]
+    assert pool.free.ids() == [] and pool.num_free_blocks == 0
