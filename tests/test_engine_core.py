@@ -301,3 +301,26 @@ def test_a_frontend_on_the_engines_host_adds_and_reads_through_rings_and_leaving
     assert sent == len(records) <= steps + 1                # one ring message per record: a step's, or the adds'
     assert (stats["running"], stats["finished"]) == (0, {"length": 3, "abort": 1})
     assert not os.path.exists(f"/dev/shm/{handles.records.name}") and not os.path.exists(f"/dev/shm/{handles.adds.name}")
+
+
+def test_requests_whose_add_was_in_flight_when_the_subscription_ended_are_aborted():
+    """The frontend's stream ends while its add waits for the core thread: nobody will read those requests,
+    so they must be aborted, not run to ``max_tokens``."""
+    async def main():
+        svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
+        sub = svc.subscribe("f")
+        await anext(sub)
+        adding = asyncio.ensure_future(svc.add_requests("f", [(0, "a", PROMPTS[0], {"max_tokens": 400}, None)]))
+        await asyncio.sleep(0)                              # the add waits on the core thread now
+        await sub.aclose()                                  # the frontend died
+        ids = await adding
+        for _ in range(3000):
+            stats = await svc.stats()
+            if stats["running"] == stats["waiting"] == 0 and stats["finished"]:
+                break
+            await asyncio.sleep(0.01)
+        return ids, stats
+
+    ids, stats = asyncio.run(main())
+    assert ids == ["a#1"]
+    assert (stats["running"], stats["finished"]) == (0, {"abort": 1})

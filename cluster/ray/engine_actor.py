@@ -381,7 +381,13 @@ class EngineService:
             return sink
         results = await self._add_many([(label, ids, params, hashes, sink_for(key))
                                         for key, label, ids, params, hashes in batch])
-        sub.requests.update(r for r in results if isinstance(r, str))
+        added = [r for r in results if isinstance(r, str)]
+        if self._subscribers.get(subscriber) is sub:
+            sub.requests.update(added)
+        else:   # the subscription ended (or was replaced) while they were queued: nobody will read them
+            for request_id in added:
+                self._sinks.pop(request_id, None)
+                self._post(self.core.abort, request_id)
         return results
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
