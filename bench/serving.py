@@ -328,7 +328,7 @@ def modelled_decode_step_s(model: str, gpu: str, n: int, context: int) -> float:
 
 
 def in_process(prompts: list[list[int]], max_tokens: int, model: str, gpu: str, sleep_factor: float,
-               async_scheduling: bool = False, max_num_batched_tokens: int | None = None) -> dict:
+               async_scheduling: bool = True, max_num_batched_tokens: int | None = None) -> dict:
     """The same requests, arriving together, on the engine with simulated workers in this process (the
     server's defaults: block 16, 512 batched tokens unless given, 256 sequences; no stop token, as ignore_eos)."""
     from cluster.engine.args import EngineArgs
@@ -436,8 +436,8 @@ def run_config(args, sleep_factor: float, rng: random.Random, frontend: str = "d
     server_args = ["--model", args.model, "--simulated-gpu", args.gpu, "--frontend", frontend]
     if sleep_factor:
         server_args += ["--sleep-factor", f"{sleep_factor:g}"]
-    if args.async_scheduling:
-        server_args += ["--async-scheduling"]
+    if not args.async_scheduling:
+        server_args += ["--no-async-scheduling"]
     if args.max_num_batched_tokens is not None:
         server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     step_tokens = served_step_budget(args, sleep_factor)
@@ -539,7 +539,7 @@ def budget_note(cfg: dict) -> str:
 
 
 def render(cfg: dict) -> str:
-    lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ''}{budget_note(cfg)}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
+    lines = [f"frontend {cfg.get('frontend', 'serve')}, sleep x{cfg['sleep_factor']:g}{', async scheduling' if cfg.get('async_scheduling') else ', one step at a time'}{budget_note(cfg)}: {cfg['model']} on simulated {cfg['gpu']}, {cfg['prompt_len']}-token "
              f"prompts, {cfg['max_tokens']} out; server ready in {cfg.get('start_s', 0):.0f} s",
              f"{'streams':>7} {'tok/s':>8} {'engine':>8} {'ratio':>6} {'TTFT50':>8} {'TTFT99':>8} {'ITL50':>7} "
              f"{'ITL99':>7} {'gap50':>6} {'gap99':>6} {'eng TTFT50':>10} {'eng ITL50':>9} {'step*':>6} {'steps':>5} {'work/st':>7} {'wait/st':>7} {'items/st':>8} {'req/add':>7} {'tok/ev':>6} "
@@ -590,8 +590,9 @@ def main() -> int:
     ap.add_argument("--profile-rate", type=int, default=100)
     ap.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of the server (and so of Ray's processes), e.g. a Ray Serve flag to try")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="the server and the in-process engine schedule step N+1 while step N runs")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="the server and the in-process engine schedule step N+1 while step N runs (the "
+                         "server's default; --no-async-scheduling: one step at a time)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the step's token budget of the server and the in-process engine (default: the server's)")
     ap.add_argument("--frontend", nargs="+", choices=("direct", "serve"), default=["direct"],

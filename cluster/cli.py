@@ -41,7 +41,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     for f in _engine_flags():
         meta = f.metadata
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        if f.default is True:
+        if isinstance(f.default, bool) and meta["flag"] is None:    # --name and --no-name
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=meta["help"] + (" (default: on)" if f.default else " (default: off)"))
+        elif f.default is True:                                     # a flag named for turning it off
             p.add_argument(flag, dest=f.name, action="store_false", help=meta["help"])
         elif f.default is False:
             p.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])

@@ -1,6 +1,7 @@
 """Small drivers of the real manager and engine that several test files share (no logic under test here)."""
 from __future__ import annotations
 
+from cluster.engine.executor import LocalExecutor
 from workers.sim.simulated import SimulatedWorker
 
 
@@ -36,6 +37,24 @@ class SimulatedExecutor:
 
     def restart(self):
         self.worker = SimulatedWorker(self.specs, self.num_blocks, vocab_size=self.vocab_size, widths=self.widths)
+
+
+class CrashesOn(LocalExecutor):
+    """Real workers, plus a crash that names nobody whenever a step (one at a time or overlapped) carries a
+    request with ``marker`` in its id."""
+
+    def __init__(self, stage_kwargs, marker: str):
+        super().__init__(stage_kwargs)
+        self.marker, self.restarts = marker, 0
+
+    def submit(self, step):
+        if any(self.marker in c.request_id for c in step.chunks):
+            raise RuntimeError("segmentation fault in a kernel")
+        return super().submit(step)
+
+    def restart(self):
+        self.restarts += 1
+        super().restart()
 
 
 def start_engine_actor(build_kwargs: dict, *, name: str, max_restarts: int = 1, timeout_s: float = 900.0,

@@ -18,6 +18,7 @@ from cluster.engine.types import SamplingParams
 from workers.protocol import RequestError, ScheduledChunk, StepInput
 from workers.models.tiny_models import build_tiny_model
 from workers.runtime.worker import Worker
+from drivers import CrashesOn
 
 # Six prompts, 20..35 tokens (windows are 8), the last sharing the first one's 20-token prefix.
 PROMPTS = [[(7 * i + j) % 256 for j in range(20 + 3 * i)] for i in range(5)] + [[j % 256 for j in range(20)] + [1, 2, 3]]
@@ -210,27 +211,10 @@ def test_a_worker_lost_with_two_steps_in_flight_loses_no_token():
     assert engine.manager.num_free_blocks == 63
 
 
-class CrashesOnLaunch(LocalExecutor):
-    """Real workers, plus a crash that names nobody whenever a request with ``marker`` in its id launches."""
-
-    def __init__(self, stage_kwargs, marker: str):
-        super().__init__(stage_kwargs)
-        self.marker, self.restarts = marker, 0
-
-    def submit(self, step):
-        if any(self.marker in c.request_id for c in step.chunks):
-            raise RuntimeError("segmentation fault in a kernel")
-        return super().submit(step)
-
-    def restart(self):
-        self.restarts += 1
-        super().restart()
-
-
 def test_a_request_that_crashes_a_launch_without_a_name_fails_alone_after_three_tries():
     engine, _ = build_engine("tiny-llama", block_size=4, num_blocks=64, max_num_batched_tokens=64,
                              async_scheduling=True)
-    engine.executor = CrashesOnLaunch(engine.executor.stage_kwargs, "poison")
+    engine.executor = CrashesOn(engine.executor.stage_kwargs, "poison")
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=6))
     early = [t for _ in range(2) for u in engine.step() for t in u.new_token_ids]
     assert engine._inflight is not None        # "a" is decoding, a step in flight, when "poison" arrives

@@ -84,16 +84,18 @@ def test_bad_requests_are_refused_and_nothing_is_queued():
     assert [s.request_id for s in engine.scheduler.waiting] == ["e"]
 
 
-def test_a_lost_worker_is_rebuilt_and_told_every_composite_again():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_lost_worker_is_rebuilt_and_told_every_composite_again(async_scheduling):
     # tiny-gemma3: a sliding block is a composite of 3 units; rebuilt workers know none of them, so the
     # first step after the restart carries every composite of the pool.
-    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=64, max_num_batched_tokens=16)
+    engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=64, max_num_batched_tokens=16,
+                             async_scheduling=async_scheduling)
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10))
     executor, steps, sent = engine.executor, [], []
-    real_execute = executor.execute
+    real_submit = executor.submit
 
-    def execute(step):             # the real workers, lost once at the sixth step
+    def submit(step):              # the real workers, lost once at the sixth step (one at a time or overlapped)
         steps.append(step)
         if len(steps) == 6:
             executor.workers = []
@@ -101,9 +103,9 @@ def test_a_lost_worker_is_rebuilt_and_told_every_composite_again():
         if len(steps) == 7:
             sent.append({b.block_id: b.units for b in engine.manager.pool.blocks
                          if b.kind == 0 and b.units[0] == b.block_id})
-        return real_execute(step)
+        return real_submit(step)
 
-    executor.execute = execute
+    executor.submit = submit
     tokens = {f"r{i}": [] for i in range(3)}
     while engine.has_work():
         for u in engine.step():

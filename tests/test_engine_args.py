@@ -85,6 +85,15 @@ def test_every_documented_field_is_a_serve_flag_with_its_default():
             engine.simulated_gpu) == (32, False, 2 << 30, 0.5, "H200")
 
 
+def test_overlapped_steps_are_the_default_and_a_flag_turns_them_off_or_on():
+    parser = build_parser()
+    assert EngineArgs().async_scheduling is True and parser.parse_args(["serve"]).async_scheduling is True
+    assert parser.parse_args(["serve", "--no-async-scheduling"]).async_scheduling is False
+    assert parser.parse_args(["serve", "--async-scheduling"]).async_scheduling is True   # older scripts' flag
+    assert parser.parse_args(["serve", "--cuda-graphs"]).cuda_graphs is True
+    assert parser.parse_args(["serve"]).cuda_graphs is False
+
+
 def test_serve_refuses_a_bad_engine_argument_before_starting_anything(capsys):
     assert main(["serve", "--num-gpus-per-worker", "-1"]) == 2
     assert "swakv serve: error: num_gpus_per_worker must be a finite number >= 0, got -1.0" in capsys.readouterr().err

@@ -150,10 +150,10 @@ class Blocking(LocalExecutor):
         super().__init__(stage_kwargs)
         self.entered, self.go = threading.Event(), threading.Event()
 
-    def execute(self, step):
+    def submit(self, step):
         self.entered.set()
         self.go.wait()
-        return super().execute(step)
+        return super().submit(step)
 
 
 def test_health_stats_and_kv_events_answer_while_a_step_runs():

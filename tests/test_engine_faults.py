@@ -23,6 +23,7 @@ from cluster.engine.llm import LLM
 from cluster.engine.types import SamplingParams
 from workers.protocol import RequestError, RequestStart, SamplingSpec, ScheduledChunk, StepInput
 from workers.models.tiny_models import build_tiny_model
+from drivers import CrashesOn
 
 MODEL = "tiny-llama"
 POISON = 250                        # its embedding is NaN in the poisoned copy; no clean output below holds it
@@ -98,25 +99,10 @@ def test_a_request_the_encoder_cannot_carry_is_named():
     assert info.value.request_id == "huge-bias"
 
 
-class CrashesOn(LocalExecutor):
-    """Real workers, plus a crash that names nobody whenever a request with ``marker`` in its id runs."""
-
-    def __init__(self, stage_kwargs, marker: str):
-        super().__init__(stage_kwargs)
-        self.marker, self.restarts = marker, 0
-
-    def execute(self, step):
-        if any(self.marker in c.request_id for c in step.chunks):
-            raise RuntimeError("segmentation fault in a kernel")
-        return super().execute(step)
-
-    def restart(self):
-        self.restarts += 1
-        super().restart()
-
-
-def test_a_request_that_crashes_the_workers_without_a_name_fails_alone_after_three_tries():
-    engine, _ = build_engine(MODEL, block_size=4, num_blocks=64, max_num_batched_tokens=64)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_crashes_the_workers_without_a_name_fails_alone_after_three_tries(async_scheduling):
+    engine, _ = build_engine(MODEL, block_size=4, num_blocks=64, max_num_batched_tokens=64,
+                             async_scheduling=async_scheduling)
     engine.executor = CrashesOn(engine.executor.stage_kwargs, "poison")
     for rid, prompt in (("a", CLEAN[0]), ("poison", CLEAN[2]), ("b", CLEAN[1])):
         engine.add_request(rid, prompt, SamplingParams(max_tokens=6))
@@ -194,11 +180,11 @@ class LosesWorkers(LocalExecutor):
         super().__init__(stage_kwargs)
         self.failures, self.restarts = 1, 0
 
-    def execute(self, step):
+    def submit(self, step):
         if self.failures:
             self.failures -= 1
             raise WorkerFailure("worker actor died")
-        return super().execute(step)
+        return super().submit(step)
 
     def restart(self):
         self.restarts += 1
@@ -207,9 +193,10 @@ class LosesWorkers(LocalExecutor):
         super().restart()
 
 
-def test_workers_that_cannot_restart_fail_requests_clearly_and_the_engine_comes_back():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_workers_that_cannot_restart_fail_requests_clearly_and_the_engine_comes_back(async_scheduling):
     def build():
-        engine, info = build_engine(MODEL, block_size=4, num_blocks=64)
+        engine, info = build_engine(MODEL, block_size=4, num_blocks=64, async_scheduling=async_scheduling)
         engine.executor = LosesWorkers(engine.executor.stage_kwargs)
         return engine, info
 

@@ -212,7 +212,7 @@ def test_metrics_export_the_host_tier_counters():
     stats = {"kv_host_blocks": 1024, "kv_host_blocks_stored": 7, "kv_host_blocks_loaded": 3,
              "kv_host_bytes_stored": 7168, "kv_host_bytes_loaded": 3072, "kv_host_hit_requests": 1,
              "kv_host_hit_tokens": 12, "kv_host_load_failures": 0, "kv_host_load_latency_s_sum": 0.25,
-             "kv_host_loads_completed": 2}
+             "kv_host_loads_completed": 2, "kv_host_loads_preempted": 1}
     text = prometheus_text({0: stats})
     for line in ('swakv_kv_host_blocks{replica="0"} 1024.0', 'swakv_kv_host_blocks_stored_total{replica="0"} 7.0',
                  'swakv_kv_host_blocks_loaded_total{replica="0"} 3.0',
@@ -220,6 +220,7 @@ def test_metrics_export_the_host_tier_counters():
                  'swakv_kv_host_bytes_loaded_total{replica="0"} 3072.0',
                  'swakv_kv_host_hit_requests_total{replica="0"} 1.0', 'swakv_kv_host_hit_tokens_total{replica="0"} 12.0',
                  'swakv_kv_host_load_failures_total{replica="0"} 0.0',
+                 'swakv_kv_host_loads_preempted_total{replica="0"} 1.0',
                  "# TYPE swakv_kv_host_load_latency_seconds summary",
                  'swakv_kv_host_load_latency_seconds_sum{replica="0"} 0.25',
                  'swakv_kv_host_load_latency_seconds_count{replica="0"} 2.0'):

@@ -56,8 +56,8 @@ class EngineArgs:
     sleep_factor: float = _arg(0.0, "with --simulated-gpu: the workers sleep the modelled step time x this "
                                     "(default 0: no sleep)")
     sliding_as_full: bool = False          # every layer allocated as full attention (the comparison baseline)
-    async_scheduling: bool = _arg(False, "schedule step N+1 while step N runs on the workers (executors that "
-                                         "can submit a step and collect it later; others run one step at a time)")
+    async_scheduling: bool = _arg(True, "schedule step N+1 while step N runs on the workers (executors that "
+                                        "can submit a step and collect it later; others run one step at a time)")
     cuda_graphs: bool = _arg(False, "replay decode-only steps from CUDA graphs (CUDA devices)")
 
     def __post_init__(self) -> None:

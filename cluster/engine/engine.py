@@ -65,7 +65,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_request_faults: int = 3            # unexplained step failures in a row before a request is failed
     vocab_size: int | None = None          # token ids must lie below it (checked before queueing)
-    async_scheduling: bool = False         # schedule step N+1 while step N runs (executors with ``submit``)
+    async_scheduling: bool = True          # schedule step N+1 while step N runs (executors with ``submit``)
     num_host_blocks: int = 0               # host units of the host KV tier (0: none)
     host_speculative_stores: bool = True   # also fill free host units with blocks no known hit needs
     host_block_bytes: tuple[int, ...] = ()   # per group: bytes one of its blocks moves, all workers together
@@ -370,5 +370,6 @@ class Engine:
             "kv_host_load_failures": m.host_load_failures,
             "kv_host_load_latency_s_sum": m.host_load_latency_s,
             "kv_host_loads_completed": m.host_loads_completed,
+            "kv_host_loads_preempted": s.host_loads_preempted,
             "workers": list(getattr(self.executor, "worker_names", [])),   # Ray actor names, stage order
         }

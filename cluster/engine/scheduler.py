@@ -151,6 +151,7 @@ class Scheduler:
         self._loads: list = []
         self.host_hit_requests = 0            # admissions whose hit loaded blocks from host
         self.host_hit_tokens = 0              # ... and the tokens of those hits
+        self.host_loads_preempted = 0         # ... preempted while their loads were in flight (they recompute)
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -516,6 +517,8 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
+        if self.manager.is_loading(seq.request_id):
+            self.host_loads_preempted += 1
         self.manager.preempt(seq.req)
         self._back_to_waiting(seq)
 

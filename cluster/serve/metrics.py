@@ -39,6 +39,9 @@ _METRICS = (
      "Prefix-hit tokens of the requests whose hit loads blocks from the host tier."),
     ("swakv_kv_host_load_failures_total", "kv_host_load_failures", "counter",
      "Requests whose loads from the host tier failed (host memory lost); they recompute."),
+    ("swakv_kv_host_loads_preempted_total", "kv_host_loads_preempted", "counter",
+     "Requests preempted while their loads from the host tier were in flight (the pool ran short); they "
+     "recompute, through the prefix cache."),
     ("swakv_stream_records_total", "stream_records", "counter",
      "Records sent to HTTP frontends' subscriptions (one message each, a shared-memory ring's on the engine's "
      "host, else Ray's; one per step per frontend at most, plus one per burst of adds through a ring)."),
