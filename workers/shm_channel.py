@@ -324,24 +324,25 @@ class ShmBroadcast:
             ring.sleep(self.poll_s if deadline is None else min(self.poll_s, deadline - now))
 
     def _check_readers(self, seq: int) -> None:
+        """Raise ``ChannelError`` naming a reader that ``seq`` waits on and that is gone."""
         ring, h = self._ring, self.handle
         for r in range(h.num_readers):
-            if seq - ring.words[ring.reader_word(r, 0)] < h.slots:
-                continue
-            state, pid = ring.words[ring.reader_word(r, 3)], ring.words[ring.reader_word(r, 2)]
-            if state == DETACHED:
-                raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) detached with messages unread")
-            if state == ATTACHED and not process_alive(pid):
-                raise ChannelError(f"channel {h.name}: reader {r} (pid {pid}) died")
+            if seq - ring.words[ring.reader_word(r, 0)] >= h.slots and (why := self._reader_gone(r)):
+                raise ChannelError(f"channel {h.name}: reader {r} (pid {ring.words[ring.reader_word(r, 2)]}) {why}")
+
+    def _reader_gone(self, r: int) -> str | None:
+        """Why reader ``r`` will read no more ("detached with messages unread", "died"), or None."""
+        ring = self._ring
+        state = ring.words[ring.reader_word(r, 3)]
+        if state == DETACHED:
+            return "detached with messages unread"
+        if state == ATTACHED and not process_alive(ring.words[ring.reader_word(r, 2)]):
+            return "died"
+        return None
 
     def readers_gone(self) -> list[int]:
         """Readers that detached, or attached and died (``send`` finds them only when it waits on them)."""
-        ring, gone = self._ring, []
-        for r in range(self.handle.num_readers):
-            state, pid = ring.words[ring.reader_word(r, 3)], ring.words[ring.reader_word(r, 2)]
-            if state == DETACHED or (state == ATTACHED and not process_alive(pid)):
-                gone.append(r)
-        return gone
+        return [r for r in range(self.handle.num_readers) if self._reader_gone(r)]
 
     def readers_unattached(self) -> list[int]:
         ring = self._ring
