@@ -120,6 +120,7 @@ def test_a_worker_restart_with_loads_in_flight_falls_back_to_recompute_with_the_
     assert engine.executor.crashed > 0
     assert stats["worker_restarts"] == 1
     assert stats["kv_host_load_failures"] == 1          # the one request that was loading
+    assert stats["kv_host_loads_completed"] + stats["kv_host_loads_preempted"] + 1 == stats["kv_host_hit_requests"]
     settled(engine)
 
 
