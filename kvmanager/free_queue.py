@@ -117,6 +117,9 @@ class FreeQueue:
     def __init__(self, units: list, widths: tuple[int, ...], last_message_tokens: int = LAST_MESSAGE_TOKENS,
                  cached: list | None = None, cap_tokens: int = 0):
         self.widths = widths
+        # An entry's units by its kind, read instead of len(entry.units) (a freed block's tuple is cold memory
+        # by then): a loose unit's kind is -1, so it reads the last item, 1.
+        self._units_of_kind = (*widths, 1)
         self.last_message_tokens = last_message_tokens
         self._tiers = [Bin(widths) for _ in range(3)]
         # Every free entry holding a hash also waits in plain LRU order, in one of two bins: content the
@@ -249,8 +252,7 @@ class FreeQueue:
         for block in blocks:
             if block.ref_cnt or block.block_hash is None:
                 continue
-            width = 1 if block.kind < 0 else self.widths[block.kind]
-            inside = floor.freed((block.group, block.block_hash), width)
+            inside = floor.freed((block.group, block.block_hash), self._units_of_kind[block.kind])
             self._lru_push(block, self._lru_in if inside else self._lru_out)
         floor.trim(self._lru_in.units + self._lru_out.units)
 
@@ -261,12 +263,12 @@ class FreeQueue:
     def _lru_push(self, block, b: Bin) -> None:
         (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id] = block
         block.lru = b
-        b.units += 1 if block.kind < 0 else self.widths[block.kind]
+        b.units += self._units_of_kind[block.kind]
 
     def _lru_unlink(self, block) -> None:
         b = block.lru
         del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
-        b.units -= 1 if block.kind < 0 else self.widths[block.kind]
+        b.units -= self._units_of_kind[block.kind]
         block.lru = None
 
     def _left_shadow(self, key: tuple[int, bytes]) -> None:
@@ -580,7 +582,7 @@ class FreeQueue:
     def _unlink(self, entry) -> None:
         b = entry.bin
         del (b.loose if entry.kind < 0 else b.composites[entry.kind])[entry.block_id]
-        n = 1 if entry.kind < 0 else self.widths[entry.kind]
+        n = self._units_of_kind[entry.kind]
         b.units -= n
         self.num_free_units -= n
         if entry.lru is not None:
@@ -626,8 +628,7 @@ class FreeQueue:
             block.order = self._back
             self._back += 1
         block.bin = b
-        # its units by its kind, not len(block.units): a freed block's tuple is cold memory by now
-        n = 1 if block.kind < 0 else self.widths[block.kind]
+        n = self._units_of_kind[block.kind]
         b.units += n
         self.num_free_units += n
 
