@@ -343,10 +343,14 @@ class EngineService:
         with self._records_lock:
             self.records += 1
 
-    def _abort_all(self, sub: _Subscriber) -> None:
-        for request_id in sub.requests:
+    def _abort(self, request_ids) -> None:
+        """Nobody will read these requests any more: drop their sinks and abort them on the core thread."""
+        for request_id in request_ids:
             self._sinks.pop(request_id, None)
             self._post(self.core.abort, request_id)
+
+    def _abort_all(self, sub: _Subscriber) -> None:
+        self._abort(sub.requests)
         sub.requests = set()
 
     async def add_request(self, subscriber: str, key: int, label: str, prompt_token_ids: list[int],
@@ -385,9 +389,7 @@ class EngineService:
         if self._subscribers.get(subscriber) is sub:
             sub.requests.update(added)
         else:   # the subscription ended (or was replaced) while they were queued: nobody will read them
-            for request_id in added:
-                self._sinks.pop(request_id, None)
-                self._post(self.core.abort, request_id)
+            self._abort(added)
         return results
 
     async def generate(self, label: str, prompt_token_ids: list[int], params: SamplingParams | dict | None = None,
@@ -408,8 +410,7 @@ class EngineService:
                 yield item
         finally:
             if not finished:                                    # the consumer went away
-                self._sinks.pop(request_id, None)
-                self._post(self.core.abort, request_id)
+                self._abort([request_id])
 
     async def abort(self, request_id: str) -> bool:
         """Finish a request now; its stream ends with finish_reason "abort". False if it is not running."""
