@@ -141,6 +141,44 @@ def test_long_prefill_crosses_query_tiles():
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
 
 
+# Decodes of many lengths (two as long as each other, a one-token sequence): the torch backend attends
+# decodes together, padded to the longest one's keys, and the padding reads slots that hold NaN here.
+DECODES = [(77, 1), (3, 1), (150, 1), (150, 1), (40, 1), (1, 1), (33, 1)]
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decodes_of_different_lengths_attended_together_read_no_padding(window, block_size):
+    out, ref = run_case(DECODES, block_size=block_size, group=4, window=window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_a_plan_over_its_budgets_builds_per_call_and_gives_the_same_figures(monkeypatch):
+    """A long context's masks and decode positions are built at each call, and its decodes split into
+    small batches, instead of kept in the step's plan: the outputs do not change."""
+    from workers.attention import torch_paged
+    seqs = MIXED + DECODES + [(300, 300)]
+    monkeypatch.setattr(torch_paged, "PLAN_MASK_BYTES", 0)
+    monkeypatch.setattr(torch_paged, "PLAN_DECODE_KEYS", 0)
+    monkeypatch.setattr(torch_paged, "DECODE_BATCH_FLOATS", 100 * 2 * 16)   # 100 keys of 2 KV heads of 16
+    torch_paged._plan.cache_clear()
+    out, ref = run_case(seqs, block_size=16, group=4, window=40)
+    plan = torch_paged._plan(16, 40, None, *(tuple(column) for column in zip(*seqs)), 100)
+    torch_paged._plan.cache_clear()
+    assert all(t.mask_per_call for t in plan.tiles if t.rows.stop - t.rows.start > 1)
+    assert len(plan.decodes) > 1 and not any(isinstance(b, torch_paged._DecodeBatch) for b in plan.decodes)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+def test_one_plan_per_window_for_the_same_lengths():
+    """Layers of two attention kinds in one step share the lengths, not the plan."""
+    for window in (None, 5, None, 12):
+        out, ref = run_case(MIXED, block_size=16, group=2, window=window)
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+
+
 def test_bfloat16_output_dtype_and_accuracy():
     out, ref = run_case(MIXED, block_size=16, group=4, window=19, dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()

@@ -6,7 +6,7 @@ head_size]``; block 0 is the null block and may hold garbage. Logical block ``j`
 slots past ``seq_len`` are never read, so nothing the manager frees can leak into a result.
 
 Two backends compute the same function: a Triton kernel (``workers.attention.triton_paged``) for CUDA tensors
-and a vectorised torch version for CPU, which tiny models in the CPU test-suite use.
+and torch ops for CPU (``workers.attention.torch_paged``), which the bundled model and the CPU test-suite use.
 """
 from __future__ import annotations
 
@@ -16,24 +16,10 @@ import os
 import torch
 
 from kvmanager.checks import is_int, is_number
+from workers.attention.torch_paged import first_key_position, torch_paged_attention
 
 BACKENDS = ("torch", "triton")
 BACKEND_ENV = "SWAKV_ATTENTION_BACKEND"
-
-# The torch backend handles this many queries of one sequence at a time, so that the score matrix stays
-# bounded by (window + tile) keys even for a long prefill.
-_TORCH_QUERY_TILE = 128
-
-
-def first_key_position(pos: int, window: int | None, chunk_size: int | None) -> int:
-    """Earliest key position a query at ``pos`` attends to."""
-    lo = 0
-    if window is not None:
-        lo = max(lo, pos - window + 1)
-    if chunk_size is not None:
-        lo = max(lo, (pos // chunk_size) * chunk_size)
-    return lo
-
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_lens: torch.Tensor, *, window: int | None = None,
@@ -55,8 +41,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     softcap = _check_softcap(softcap)
     name = select_backend(q, backend)
     if name == "torch":
-        return _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
-                                      window, scale, softcap, chunk_size)
+        seq_lens_l, query_lens_l = seq_lens.tolist(), query_lens.tolist()
+        _check_lengths(seq_lens_l, query_lens_l, q.shape[0], k_cache.shape[1], block_tables.shape[1])
+        return torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens_l, query_lens_l,
+                                     window, scale, softcap, chunk_size)
     from workers.attention import triton_paged
     if not q.is_cuda:
         # On CPU only the interpreter can run the kernel; read the sizes here, where it costs no sync.
@@ -113,46 +101,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, va
     slots = slot_mapping.long()
     k_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, key)
     v_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, value)
-
-
-def _torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, window, scale, softcap,
-                           chunk_size):
-    """Per sequence and tile of queries: gather only the blocks the tile's windows cover, dense softmax."""
-    seq_lens_l, query_lens_l = seq_lens.tolist(), query_lens.tolist()
-    _check_lengths(seq_lens_l, query_lens_l, q.shape[0], k_cache.shape[1], block_tables.shape[1])
-    _, block_size, num_kv_heads, head_size = k_cache.shape
-    group = q.shape[1] // num_kv_heads
-    out = torch.empty_like(q)
-    token = 0
-    for s, (seq_len, query_len) in enumerate(zip(seq_lens_l, query_lens_l)):
-        context = seq_len - query_len
-        for t0 in range(0, query_len, _TORCH_QUERY_TILE):
-            t1 = min(query_len, t0 + _TORCH_QUERY_TILE)
-            first_pos, end_pos = context + t0, context + t1
-            lo = first_key_position(first_pos, window, chunk_size)
-            b0, b1 = lo // block_size, (end_pos - 1) // block_size + 1
-            ids = block_tables[s, b0:b1].long()
-            # Trim to [lo, end_pos): what lies before the window's first key or past the last query in the
-            # first/last block may be garbage, and a NaN there would survive a zero softmax weight.
-            cut = slice(lo - b0 * block_size, end_pos - b0 * block_size)
-            k = k_cache[ids].reshape(-1, num_kv_heads, head_size)[cut].float()
-            v = v_cache[ids].reshape(-1, num_kv_heads, head_size)[cut].float()
-            qs = q[token + t0:token + t1].float().view(t1 - t0, num_kv_heads, group, head_size)
-            scores = torch.einsum("nhgd,khd->hgnk", qs, k) * scale
-            if softcap is not None:
-                scores = softcap * torch.tanh(scores / softcap)
-            qpos = torch.arange(first_pos, end_pos, device=q.device)
-            kpos = torch.arange(lo, end_pos, device=q.device)
-            visible = kpos[None, :] <= qpos[:, None]
-            if window is not None:
-                visible &= kpos[None, :] > qpos[:, None] - window
-            if chunk_size is not None:
-                visible &= kpos[None, :] >= (qpos // chunk_size * chunk_size)[:, None]
-            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-            o = torch.einsum("hgnk,khd->nhgd", probs, v)
-            out[token + t0:token + t1] = o.reshape(t1 - t0, -1, head_size).to(q.dtype)
-        token += query_len
-    return out
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_lens) -> None:
