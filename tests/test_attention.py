@@ -164,7 +164,7 @@ def test_a_plan_over_its_budgets_builds_per_call_and_gives_the_same_figures(monk
     monkeypatch.setattr(torch_paged, "DECODE_BATCH_FLOATS", 100 * 2 * 16)   # 100 keys of 2 KV heads of 16
     torch_paged._plan.cache_clear()
     out, ref = run_case(seqs, block_size=16, group=4, window=40)
-    plan = torch_paged._plan(16, 40, None, *(tuple(column) for column in zip(*seqs)), 4, 100)
+    plan = torch_paged._plan(16, 40, None, *(tuple(column) for column in zip(*seqs)), 4, 100, torch.device("cpu"))
     torch_paged._plan.cache_clear()
     assert all(t.mask_per_call for t in plan.tiles if t.rows.stop - t.rows.start > 1)
     assert len(plan.decodes) > 1 and not any(isinstance(b, torch_paged._DecodeBatch) for b in plan.decodes)

@@ -81,7 +81,7 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int]
     _, block_size, num_kv_heads, head_size = k_cache.shape
     group = q.shape[1] // num_kv_heads
     plan = _plan(block_size, window, chunk_size, tuple(seq_lens), tuple(query_lens), group,
-                 DECODE_BATCH_FLOATS // (num_kv_heads * head_size))
+                 DECODE_BATCH_FLOATS // (num_kv_heads * head_size), q.device)
     out = torch.empty_like(q)
     queries = q.view(-1, num_kv_heads, group, head_size)
     out_grouped = out.view(-1, num_kv_heads, group, head_size)
@@ -92,7 +92,7 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int]
         n = tile.rows.stop - tile.rows.start
         bias = tile.bias
         if tile.mask_per_call:
-            bias = _bias(tile.first_key, tile.first_query, n, k.shape[0], window, chunk_size, group)
+            bias = _bias(tile.first_key, tile.first_query, n, k.shape[0], window, chunk_size, group, q.device)
         # Query-major rows within each KV head: [kv heads, n * group, head].
         qs = queries[tile.rows].float().permute(1, 0, 2, 3).reshape(num_kv_heads, n * group, head_size)
         if softcap is not None:
@@ -110,7 +110,7 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int]
     values_flat = v_cache.view(-1, num_kv_heads, head_size)
     for batch in plan.decodes:
         if not isinstance(batch, _DecodeBatch):
-            batch = _decode_batch(batch, block_size)
+            batch = _decode_batch(batch, block_size, q.device)
         # The padding points at column 0's first slot: a real slot, read and then hidden.
         slots = block_tables[batch.seqs].long().gather(1, batch.blocks).mul_(block_size).add_(batch.offsets)
         n, num_keys = slots.shape
@@ -137,7 +137,7 @@ def _capped(scores, scale, softcap):
 
 @functools.lru_cache(maxsize=PLANS_KEPT)
 def _plan(block_size: int, window, chunk_size, seq_lens: tuple, query_lens: tuple, group: int,
-          batch_keys: int) -> _Plan:
+          batch_keys: int, device: torch.device) -> _Plan:
     tiles, decodes, mask_bytes, row = [], [], 0, 0
 
     def tile(s: int, row: int, context: int, t0: int, t1: int) -> _Tile:
@@ -149,7 +149,7 @@ def _plan(block_size: int, window, chunk_size, seq_lens: tuple, query_lens: tupl
         if t1 - t0 > 1:
             per_call = mask_bytes + 4 * (t1 - t0) * group * (end_pos - lo) > PLAN_MASK_BYTES
             if not per_call:
-                bias = _bias(lo, first_pos, t1 - t0, end_pos - lo, window, chunk_size, group)
+                bias = _bias(lo, first_pos, t1 - t0, end_pos - lo, window, chunk_size, group, device)
                 mask_bytes += 4 * bias.numel()
         return _Tile(s, slice(row + t0, row + t1), b0, (end_pos - 1) // block_size + 1,
                      slice(lo - b0 * block_size, end_pos - b0 * block_size), lo, first_pos, bias, per_call)
@@ -170,22 +170,23 @@ def _plan(block_size: int, window, chunk_size, seq_lens: tuple, query_lens: tupl
             tiles.append(tile(s, r, seq_len - 1, 0, 1))
             continue
         padded = len(part) * (part[0][3] - part[0][2])
-        batches.append(_decode_batch(part, block_size) if kept + padded <= PLAN_DECODE_KEYS else part)
+        batches.append(_decode_batch(part, block_size, device) if kept + padded <= PLAN_DECODE_KEYS else part)
         kept += padded
     return _Plan(tuple(tiles), tuple(batches))
 
 
-def _bias(lo: int, first_pos: int, queries: int, keys: int, window, chunk_size, group: int) -> torch.Tensor:
+def _bias(lo: int, first_pos: int, queries: int, keys: int, window, chunk_size, group: int,
+          device: torch.device) -> torch.Tensor:
     """[queries * group, keys]: -inf where query ``first_pos + i`` (each of its ``group`` heads) must not see
     key ``lo + j``, else 0."""
-    qpos = torch.arange(first_pos, first_pos + queries)[:, None]
-    kpos = torch.arange(lo, lo + keys)[None, :]
+    qpos = torch.arange(first_pos, first_pos + queries, device=device)[:, None]
+    kpos = torch.arange(lo, lo + keys, device=device)[None, :]
     hidden = kpos > qpos
     if window is not None:
         hidden |= kpos <= qpos - window
     if chunk_size is not None:
         hidden |= kpos < qpos // chunk_size * chunk_size
-    bias = torch.zeros(queries, keys).masked_fill_(hidden, float("-inf"))
+    bias = torch.zeros(queries, keys, device=device).masked_fill_(hidden, float("-inf"))
     return bias.repeat_interleave(group, dim=0)
 
 
@@ -209,14 +210,15 @@ def _decode_parts(decodes: list[tuple[int, int, int, int]], batch_keys: int) -> 
     return parts
 
 
-def _decode_batch(part: list[tuple[int, int, int, int]], block_size: int) -> _DecodeBatch:
+def _decode_batch(part: list[tuple[int, int, int, int]], block_size: int, device: torch.device) -> _DecodeBatch:
     """Gather positions for decodes ``(row, seq, first key, seq_len)``: each sees exactly its keys
     ``first key .. seq_len - 1`` (all of a decode's window is visible)."""
-    first = torch.tensor([lo for _, _, lo, _ in part])[:, None]
-    count = torch.tensor([seq_len - lo for _, _, lo, seq_len in part])[:, None]
-    j = torch.arange(int(count.max()))[None, :]
-    padding = j >= count
+    counts = [seq_len - lo for _, _, lo, seq_len in part]
+    first = torch.tensor([lo for _, _, lo, _ in part], device=device)[:, None]
+    j = torch.arange(max(counts), device=device)[None, :]
+    padding = j >= torch.tensor(counts, device=device)[:, None]
     pos = (first + j).masked_fill_(padding, 0)
-    padded = padding.view(-1).nonzero().view(-1) if padding.any() else None
-    return _DecodeBatch(torch.tensor([r for r, *_ in part]), torch.tensor([s for _, s, *_ in part]),
+    padded = padding.view(-1).nonzero().view(-1) if min(counts) < max(counts) else None
+    return _DecodeBatch(torch.tensor([r for r, *_ in part], device=device),
+                        torch.tensor([s for _, s, *_ in part], device=device),
                         pos // block_size, pos % block_size, padding, padded)
