@@ -16,7 +16,7 @@ import os
 import torch
 
 from kvmanager.checks import is_int, is_number
-from workers.attention.torch_paged import first_key_position, torch_paged_attention
+from workers.attention.torch_paged import torch_paged_attention
 
 BACKENDS = ("torch", "triton")
 BACKEND_ENV = "SWAKV_ATTENTION_BACKEND"

@@ -55,8 +55,8 @@ class _Tile:
     first_key: int         # the position of its first key, and of its first query
     first_query: int
     bias: torch.Tensor | None     # [queries * group, keys]: -inf where a query must not see a key, else 0;
-                                  # None: a single query, which sees every key of its tile
-    mask_per_call: bool = False   # the mask was over the plan's budget: build it at each call
+                                  # None: a single query, which sees every key of its tile, or a mask over
+                                  # the plan's budget, built at each call
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def torch_paged_attention(q, k_cache, v_cache, block_tables, seq_lens: list[int]
         v = v_cache.index_select(0, ids).flatten(0, 1)[tile.keys].float()
         n = tile.rows.stop - tile.rows.start
         bias = tile.bias
-        if tile.mask_per_call:
+        if bias is None and n > 1:
             bias = _bias(tile.first_key, tile.first_query, n, k.shape[0], window, chunk_size, group, q.device)
         # Query-major rows within each KV head: [kv heads, n * group, head].
         qs = queries[tile.rows].float().permute(1, 0, 2, 3).reshape(num_kv_heads, n * group, head_size)
@@ -145,14 +145,12 @@ def _plan(block_size: int, window, chunk_size, seq_lens: tuple, query_lens: tupl
         first_pos, end_pos = context + t0, context + t1
         lo = first_key_position(first_pos, window, chunk_size)
         b0 = lo // block_size
-        bias, per_call = None, False          # one query sees all its keys: nothing to hide
-        if t1 - t0 > 1:
-            per_call = mask_bytes + 4 * (t1 - t0) * group * (end_pos - lo) > PLAN_MASK_BYTES
-            if not per_call:
-                bias = _bias(lo, first_pos, t1 - t0, end_pos - lo, window, chunk_size, group, device)
-                mask_bytes += 4 * bias.numel()
+        bias = None                           # one query sees all its keys: nothing to hide
+        if t1 - t0 > 1 and mask_bytes + 4 * (t1 - t0) * group * (end_pos - lo) <= PLAN_MASK_BYTES:
+            bias = _bias(lo, first_pos, t1 - t0, end_pos - lo, window, chunk_size, group, device)
+            mask_bytes += 4 * bias.numel()
         return _Tile(s, slice(row + t0, row + t1), b0, (end_pos - 1) // block_size + 1,
-                     slice(lo - b0 * block_size, end_pos - b0 * block_size), lo, first_pos, bias, per_call)
+                     slice(lo - b0 * block_size, end_pos - b0 * block_size), lo, first_pos, bias)
 
     for s, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
         context = seq_len - query_len
