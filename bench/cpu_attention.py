@@ -1,8 +1,9 @@
 """The CPU attention backend's cost per call, and the bundled model's step times, against another checkout.
 
-Calls: ``paged_attention`` with the torch backend, 4 query heads over 2 KV heads of 32 (the bundled
-model's shape), block 16: prompts of 140 / 600 / 2,000 tokens, 1-64 decodes of 100-600 keys, a prompt
-beside 4 decodes; each with full attention and a 256-token window. Engine: the bundled model in process
+Calls: ``paged_attention`` with the torch backend, by default 4 query heads over 2 KV heads of 32 (the
+bundled model's shape), block 16: prompts of 140 / 600 / 2,000 tokens, 1-64 decodes of 100-600 keys, a
+prompt beside 4 decodes; each with full attention and a 256-token window (``--heads``, ``--kv-heads``,
+``--head-size``, ``--block-size``, ``--windows`` for other settings; 0 is full attention). Engine: the bundled model in process
 (``build_engine``, one step at a time): a 140-token prompt to its first token, and a decode step of 1 and
 of 16 requests of 150-token prompts.
 
@@ -11,6 +12,7 @@ modules); the processes alternate over ``--rounds`` rounds and each figure is th
 (``torch.set_num_threads(1)``), as the served worker runs.
 
     git worktree add --detach ../base HEAD~1 && python bench/cpu_attention.py --baseline ../base
+    python bench/cpu_attention.py --baseline ../base --heads 8 --kv-heads 4 --head-size 128 --windows 0 1024
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WINDOWS = (None, 256)
 
 
 def _cases() -> list[tuple[str, list[int], list[int]]]:
@@ -48,20 +49,21 @@ def _best_us(fn, reps: int) -> float:
     return best * 1e6
 
 
-def child() -> dict:
+def child(args) -> dict:
     """This process's figures: µs per call per case and window, ms per engine phase."""
     import torch
     torch.set_num_threads(1)
     from workers.attention import paged_attention
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(800, 16, 2, 32, generator=gen)
-    v_cache = torch.randn(800, 16, 2, 32, generator=gen)
+    bs, num_blocks = args.block_size, 12800 // args.block_size
+    k_cache = torch.randn(num_blocks, bs, args.kv_heads, args.head_size, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, args.kv_heads, args.head_size, generator=gen)
     out = {}
     for name, seq_lens, query_lens in _cases():
-        tables = torch.randint(1, 800, (len(seq_lens), 130), dtype=torch.int32, generator=gen)
-        q = torch.randn(sum(query_lens), 4, 32, generator=gen)
+        tables = torch.randint(1, num_blocks, (len(seq_lens), 2048 // bs + 1), dtype=torch.int32, generator=gen)
+        q = torch.randn(sum(query_lens), args.heads, args.head_size, generator=gen)
         sl, ql = torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(query_lens, dtype=torch.int32)
-        for window in WINDOWS:
+        for window in [w or None for w in args.windows]:
             out[f"{name}, window {window}"] = _best_us(
                 lambda: paged_attention(q, k_cache, v_cache, tables, sl, ql, window=window, backend="torch"),
                 5 if "2000" in name else 40)
@@ -106,10 +108,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", metavar="DIR", help="another checkout to time side by side")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--windows", type=int, nargs="+", default=[0, 256], help="0: full attention")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child()))
+        print(json.dumps(child(args)))
         return
     roots = {"this": ROOT} | ({"baseline": os.path.abspath(args.baseline)} if args.baseline else {})
     runs: dict[str, list[dict]] = {name: [] for name in roots}
@@ -117,7 +124,7 @@ def main() -> None:
         for name in (list(roots) if r % 2 == 0 else list(roots)[::-1]):
             print(f"[round {r + 1}/{args.rounds}] {name}: {roots[name]}", file=sys.stderr, flush=True)
             env = dict(os.environ, PYTHONPATH=roots[name])
-            done = subprocess.run([sys.executable, __file__, "--child"], env=env, cwd=roots[name],
+            done = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, cwd=roots[name],
                                   capture_output=True, text=True, check=True)
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     best = {name: {k: min(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()}
