@@ -151,14 +151,15 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 class Server:
     """``python -m cluster serve`` in its own process group; ``stop`` is bounded and leaves no process."""
 
-    def __init__(self, args: list[str], port: int, extra_env: dict | None = None):
+    def __init__(self, args: list[str], port: int, extra_env: dict | None = None, root: str = ROOT):
+        """``root``: the checkout to serve (another one's code, side by side with this one's)."""
         self.port = port
         self.log = tempfile.NamedTemporaryFile(prefix="swakv-serving-", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", **(extra_env or {})}
         cmd = [sys.executable, "-m", "cluster", "serve", *args, "--host", "127.0.0.1", "--port", str(port)]
         log(f"starting: {' '.join(cmd[1:])} (log {self.log.name})")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.known: set[int] = {self.proc.pid}
 

@@ -324,3 +324,60 @@ def test_requests_whose_add_was_in_flight_when_the_subscription_ended_are_aborte
     ids, stats = asyncio.run(main())
     assert ids == ["a#1"]
     assert (stats["running"], stats["finished"]) == (0, {"abort": 1})
+
+
+def test_the_step_clock_waits_on_decode_steps_once_timed_until_the_shortest_recent_one_less_its_lead():
+    from cluster.engine.step_clock import LEAD_FLOOR_S, StepClock
+    clock = StepClock()
+    clock.launched(8, taken_at=100.0, host_s=0.001)
+    assert clock.due is None                       # steps of 8 tokens never timed: schedule at once
+    for took in (0.050, 0.030, 0.040, 0.045, 0.060):
+        clock.ran(8, took)
+    clock.ran(12, 0.500)                           # the same size class (8-15 tokens): 0.050 and 0.030 drop out
+    clock.ran(16, 0.001)                           # another class, and a worker that does not say:
+    clock.ran(9, 0.0)
+    clock.launched(9, taken_at=100.0, host_s=0.002)
+    # the shortest of 0.040, 0.045, 0.060, 0.500, less twice the longest host time and the floor
+    assert clock.due == pytest.approx(100.0 + 0.040 - (LEAD_FLOOR_S + 2 * 0.002))
+    clock.launched(40, taken_at=200.0, host_s=0.0)
+    assert clock.due is None
+    clock.ran(None, 0.040)                         # a step with a prompt chunk: not timed ...
+    clock.launched(None, taken_at=300.0, host_s=0.0)
+    assert clock.due is None                       # ... and followed at once
+
+
+def test_the_step_clock_schedules_at_once_steps_too_short_for_their_lead():
+    from cluster.engine.step_clock import LEAD_FLOOR_S, StepClock
+    clock = StepClock()
+    for took in (0.0030, 0.0029):                  # CPU-length decode steps
+        clock.ran(1, took)
+    clock.launched(1, taken_at=10.0, host_s=0.0002)
+    assert clock.due is None                       # a lead of 1.4 ms is over a quarter of 2.9 ms
+    clock.ran(1, 0.0056)                           # a step of 5.6 ms: one of 2.9 is still among the last four
+    clock.launched(1, taken_at=10.0, host_s=0.0002)
+    assert clock.due is None
+    for _ in range(4):                             # the last four of 6 ms: a lead of 1.4 ms is under a quarter
+        clock.ran(1, 0.0060)
+    clock.launched(1, taken_at=10.0, host_s=0.0002)
+    assert clock.due == pytest.approx(10.0 + 0.0060 - (LEAD_FLOOR_S + 2 * 0.0002))
+
+
+def test_the_step_clock_lengthens_its_lead_by_late_wake_ups_and_forgets_them_after_256_steps():
+    from cluster.engine.step_clock import LATE_MEMORY_STEPS, LEAD_FLOOR_S, StepClock
+    clock = StepClock()
+    for _ in range(4):
+        clock.ran(16, 0.015)                       # GPU-length steps of 16 tokens
+    clock.launched(16, taken_at=0.0, host_s=0.0005)
+    assert clock.due == pytest.approx(0.015 - (LEAD_FLOOR_S + 0.001))
+    clock.woke(clock.due - 0.001)                  # did not wait for it (nothing counted) ...
+    clock.launched(16, taken_at=1.0, host_s=0.0005)
+    clock.woke(clock.due + 0.0025)                 # ... then woke 2.5 ms past it: the lead grows by that
+    clock.launched(16, taken_at=2.0, host_s=0.0005)
+    assert clock.due is None                       # a lead of 4.5 ms is over a quarter of 15 ms
+    for step in range(LATE_MEMORY_STEPS - 1):
+        clock.woke(100.0 + step)                   # no due: nothing counted
+        clock.launched(16, taken_at=100.0 + step, host_s=0.0005)
+        assert clock.due is None
+    clock.woke(500.0)                              # 256 steps on, the late wake-up is forgotten
+    clock.launched(16, taken_at=3.0, host_s=0.0005)
+    assert clock.due == pytest.approx(3.0 + 0.015 - (LEAD_FLOOR_S + 0.001))

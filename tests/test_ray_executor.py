@@ -229,3 +229,43 @@ def test_a_step_sent_to_a_killed_worker_raises_worker_failure_not_a_hang(ray_run
     finally:
         ex.shutdown()
     assert not segments()
+
+
+def test_a_request_that_arrives_while_a_step_runs_is_in_the_next_step_not_the_one_after(ray_runtime):
+    """Served (``EngineCore.run``) with asynchronous scheduling, the next step is scheduled shortly before the
+    one in flight ends (``step_clock``), so a request added in between is in it: its first token comes with
+    the second step to end after it was added (one step earlier than scheduling at once would give)."""
+    import threading
+
+    from cluster.engine.core import EngineCore
+    engine, _ = build_engine("gemma-3-27b", **SIM, executor_cls=RayExecutor, async_scheduling=True,
+                             sleep_factor=8.0)       # ~100 ms a step: the add below lands well inside one
+    core = EngineCore(engine)
+    emitted, finished = [], set()
+    lock = threading.Condition()
+
+    def emit(updates):
+        with lock:
+            emitted.append({u.request_id: len(u.new_token_ids) for u in updates})
+            finished.update(u.request_id for u in updates if u.finished)
+            lock.notify_all()
+    thread = threading.Thread(target=core.run, args=(emit,), daemon=True)
+    thread.start()
+    try:
+        core.call(core.add_request, "a", SIM_PROMPTS[0], SamplingParams(max_tokens=12)).result(60)
+        with lock:       # "a" decodes for a few steps (the clock learns its step time), then at a step's end ...
+            assert lock.wait_for(lambda: sum(e.get("a", 0) for e in emitted) >= 6, 60)
+            mark = len(emitted)
+        time.sleep(0.01)  # ... "b" comes 10 ms into the next step
+        core.call(core.add_request, "b", SIM_PROMPTS[1][:40], SamplingParams(max_tokens=2)).result(60)
+        with lock:
+            assert lock.wait_for(lambda: any("b" in e for e in emitted[mark:]), 60)
+            steps = [e for e in emitted[mark:] if e]
+        first_b = next(i for i, e in enumerate(steps) if "b" in e)
+        assert first_b == 1          # the step running when "b" came ends, then the one "b" is in
+        with lock:
+            assert lock.wait_for(lambda: finished == {"a", "b"}, 60)
+    finally:
+        core.call(engine.executor.shutdown).result(60)
+        core.close()
+        thread.join(10)

@@ -163,6 +163,7 @@ class StepOutput:
         field(default_factory=dict)
     transfers_done: list[int] = field(default_factory=list)     # device block ids of the step's copies that ran
     transfers_failed: list[int] = field(default_factory=list)   # ... that could not (module doc)
+    worker_time_s: float = 0.0           # wall time the worker took, from reading the step to its answer
 
 
 class RequestError(ValueError):

@@ -111,10 +111,11 @@ def _unpack_prompt_logprobs(packed) -> tuple:
 def encode_output(out: StepOutput) -> bytes:
     prompt = {rid: _pack_prompt_logprobs(e) for rid, e in out.prompt_logprobs.items()}
     return msgpack.packb([out.step_id, out.sampled, out.simulated_time_s, out.logprobs, out.failed,
-                          out.device_time_s, prompt, out.transfers_done, out.transfers_failed])
+                          out.device_time_s, prompt, out.transfers_done, out.transfers_failed, out.worker_time_s])
 
 
 def decode_output(payload: bytes) -> StepOutput:
-    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s, prompt, done, lost = msgpack.unpackb(payload)
+    step_id, sampled, simulated_time_s, logprobs, failed, device_time_s, prompt, done, lost, took = msgpack.unpackb(payload)
     return StepOutput(step_id, sampled, simulated_time_s, {rid: tuple(entry) for rid, entry in logprobs.items()},
-                      failed, device_time_s, {rid: _unpack_prompt_logprobs(e) for rid, e in prompt.items()}, done, lost)
+                      failed, device_time_s, {rid: _unpack_prompt_logprobs(e) for rid, e in prompt.items()}, done, lost,
+                      took)

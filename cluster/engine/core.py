@@ -10,7 +10,8 @@ scheduler and KV manager over restarted workers. ``step()`` never raises.
 Served, ``run`` is the body of one long-lived engine-core thread: other threads never touch the engine;
 they ``call`` (or ``post``) a function that runs on the core thread between two steps, so requests are
 added, aborted and the engine shut down without locks, and a step is never handed from thread to thread.
-After each step ``run`` gives its updates to ``emit`` at once, as one list.
+After each step ``run`` gives its updates to ``emit`` at once, as one list. With a step in flight it
+schedules the next one only when that is due (``step_clock``), taking requests until then.
 """
 from __future__ import annotations
 
@@ -134,13 +135,15 @@ class EngineCore:
 
     def run(self, emit) -> None:
         """The core thread's body: apply commands, step while there is work, ``emit(updates)`` after each
-        step that has any; sleeps while there is nothing to do."""
+        step that has any; sleeps while there is nothing to do, and, with a step in flight, until the next
+        one is due (``Engine.next_step_due``: requests that come meanwhile make it into that step)."""
         while True:
             with self._wake:
-                while not self._inbox and not self._closed and not self.has_work():
-                    self._wake.wait()
-                if not self._inbox and not self._closed and self._retry_at is not None:
-                    self._wake.wait(max(0.0, self._retry_at - time.monotonic()))
+                while not self._inbox and not self._closed:
+                    idle = self._idle_for()
+                    if idle == 0.0:
+                        break
+                    self._wake.wait(idle)
                 commands, self._inbox = self._inbox, deque()
                 closed = self._closed
             for fn, args, future in commands:
@@ -151,6 +154,14 @@ class EngineCore:
                         future.set_exception(exc)
             if closed:
                 return
-            if self.has_work():
-                updates = self.step()
-                emit(updates)
+            if self._idle_for() == 0.0:
+                emit(self.step())
+
+    def _idle_for(self) -> float | None:
+        """How long the core thread may sleep before its next step: 0.0 to step now, None until a command."""
+        if self._retry_at is not None:
+            return max(0.0, self._retry_at - time.monotonic())
+        if not self.engine.has_work():
+            return None
+        due = self.engine.next_step_due()
+        return 0.0 if due is None else max(0.0, due - time.perf_counter())

@@ -20,7 +20,8 @@ double-buffered. Faults: a step the workers refuse because of one request (``Req
 launch, before anything changed) is launched again without that request, as in the synchronous loop;
 any other failure of a launch or a collect loses both steps on the device: their requests are blamed,
 the workers restart and everything running recomputes. While requests are under suspicion the engine
-runs one step at a time.
+runs one step at a time. Served, the core thread calls ``step`` only when ``next_step_due`` says (``step_clock``):
+a decode step long enough is followed shortly before it ends, not at once, so that arrivals make the next one.
 
 Host tier (``EngineConfig.num_host_blocks``): each step carries the copies the manager scheduled; each
 output's reports go to ``transfers_done``, whose failed loads requeue their requests; a worker restart
@@ -41,6 +42,7 @@ from kvmanager import KVCacheManager, Request
 from workers.protocol import StepInput, find_request_error
 
 from .scheduler import Scheduler, Sequence, SequenceUpdate, StepPlan
+from .step_clock import StepClock
 from .types import SamplingParams
 
 
@@ -95,6 +97,14 @@ class EngineMetrics:
     host_loads_completed: int = 0                 # requests whose loads all completed
 
 
+def _decodes(plan: StepPlan) -> int | None:
+    """How many sequences a step decodes, if that is all it does (one token each, no host-tier copies)."""
+    step = plan.step
+    if plan.num_tokens != len(step.chunks) or step.kv_loads or step.kv_stores:
+        return None
+    return plan.num_tokens
+
+
 class Engine:
     def __init__(self, executor, group_specs, num_blocks: int, config: EngineConfig | None = None,
                  group_widths=None):
@@ -109,6 +119,7 @@ class Engine:
         self.scheduler = Scheduler(self.manager, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.prefill_room)
         self.metrics = EngineMetrics()
+        self.clock = StepClock()                # when a served engine schedules its next step
         self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
         self.restarting = False                 # the workers are being replaced (read by health probes)
 
@@ -171,25 +182,29 @@ class Engine:
     def _step_overlapped(self) -> list[SequenceUpdate]:
         updates: list[SequenceUpdate] = []
         if self._inflight is None:
+            started = time.perf_counter()
             plan = self.schedule()
             if plan is None:
                 return []
-            self._inflight = self._launch(plan, updates)
+            self._inflight = self._launch(plan, updates, started=started)
             if self._inflight is None:
                 return updates
         current, handle = self._inflight
         following = None
+        started = time.perf_counter()
+        self.clock.woke(started)
         plan = self.schedule()                  # while the device runs the step in flight
         if plan is not None:
-            following = self._launch(plan, updates, current)
+            following = self._launch(plan, updates, current, started)
             if following is None and self._inflight is None:
                 return updates                  # the launch failed and the workers restarted
         self._inflight = following
         return self._collect_and_apply(current, handle, updates, following)
 
-    def _launch(self, plan: StepPlan, updates: list, inflight: StepPlan | None = None):
+    def _launch(self, plan: StepPlan, updates: list, inflight: StepPlan | None = None, started: float = 0.0):
         """Submit ``plan`` (again without any request the workers refuse); ``(plan, handle)``, or None after
-        a failure nobody can be blamed for (then the workers restarted and the step in flight is lost)."""
+        a failure nobody can be blamed for (then the workers restarted and the step in flight is lost).
+        ``started``: when its scheduling began (the clock learns the engine's own time from it)."""
         while True:
             try:
                 handle = self._wait(self.executor.submit, plan.step)   # the workers' ack is a wait
@@ -202,7 +217,16 @@ class Engine:
                 updates += self.recover_steps([p for p in (inflight, plan) if p is not None])
                 return None
             self.scheduler.launched(plan)
+            taken = time.perf_counter()
+            self.clock.launched(_decodes(plan), taken, taken - started - getattr(self.executor, "last_wait_s", 0.0))
             return plan, handle
+
+    def next_step_due(self) -> float | None:
+        """The ``time.perf_counter()`` until which a served engine gains by taking requests rather than
+        scheduling its next step (``step_clock``); None: step now."""
+        if self._inflight is None or not self._overlapping():
+            return None
+        return self.clock.due
 
     def _collect_and_apply(self, plan: StepPlan, handle, updates: list, following=None) -> list[SequenceUpdate]:
         try:
@@ -238,6 +262,7 @@ class Engine:
         if output.transfers_done or output.transfers_failed:
             self._transfers_done(plan, output)
         updates = self.scheduler.update(plan, output)
+        self.clock.ran(_decodes(plan), output.worker_time_s)
         m = self.metrics
         m.steps += 1
         m.scheduled_tokens += plan.num_tokens

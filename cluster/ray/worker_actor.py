@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 from workers.protocol import StepOutput
 
@@ -56,5 +57,9 @@ class WorkerActor:
     def execute(self, payload: bytes, hidden=None):
         """One step by a plain actor call (workers on other nodes than the engine's)."""
         from workers.wire import decode_step, encode_output
+        started = time.perf_counter()
         out = self.worker.execute(decode_step(payload), hidden)
-        return encode_output(out) if isinstance(out, StepOutput) else out
+        if not isinstance(out, StepOutput):
+            return out
+        out.worker_time_s = time.perf_counter() - started
+        return encode_output(out)

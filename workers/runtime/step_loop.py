@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import pickle
 import struct
+import time
 
 from workers.protocol import StepOutput
 from workers.wire import decode_step, encode_output
@@ -97,6 +98,7 @@ class StepLoop:
             self.close()
 
     def step(self, message: bytes) -> None:
+        started = time.perf_counter()
         kind, seq, body = unframe(message)
         failed, hidden = None, None               # failed: the pickled error to pass on
         if self.upstream is not None:
@@ -123,6 +125,7 @@ class StepLoop:
         elif self.downstream is not None:
             self.downstream.send(frame(HIDDEN, seq, b"" if isinstance(out, StepOutput) else _dump_tensor(out)))
         elif self.replies is not None:
+            out.worker_time_s = time.perf_counter() - started   # what the engine predicts the next one from
             self.replies.send(frame(OUTPUT, seq, encode_output(out)))
 
     def _hidden(self, data):
