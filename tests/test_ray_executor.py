@@ -239,7 +239,7 @@ def test_a_request_that_arrives_while_a_step_runs_is_in_the_next_step_not_the_on
 
     from cluster.engine.core import EngineCore
     engine, _ = build_engine("gemma-3-27b", **SIM, executor_cls=RayExecutor, async_scheduling=True,
-                             sleep_factor=8.0)       # ~100 ms a step: the add below lands well inside one
+                             sleep_factor=8.0)       # over 100 ms a step: the add below lands well inside one
     core = EngineCore(engine)
     emitted, finished = [], set()
     lock = threading.Condition()

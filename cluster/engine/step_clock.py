@@ -49,8 +49,8 @@ class StepClock:
         self.due: float | None = None      # ``time.perf_counter()`` to schedule the next step by; None: now
 
     @staticmethod
-    def size_class(num_tokens: int) -> int:
-        return int(num_tokens).bit_length()
+    def size_class(decodes: int) -> int:
+        return int(decodes).bit_length()
 
     def lead(self) -> float:
         return LEAD_FLOOR_S + 2 * max(self._host, default=0.0) + max((late for _, late in self._late), default=0.0)
