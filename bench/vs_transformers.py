@@ -19,7 +19,9 @@ Figures per run, from guidellm's JSON: TTFT p50 and ITL p50 (guidellm's medians 
 req/s and output tok/s (successful requests and their output tokens over guidellm's measured
 duration, the first request's start to the last one's end), and the 1-minute load average before and
 after. Then the swakv / transformers ratio of the medians over the runs, each server's spread over its
-runs (max / min - 1), and whether each goal is met. One JSON line per run (``--jsonl``).
+runs (max / min - 1), each round's own ratio (its two servers run minutes apart, so the machine's drift
+between rounds stays out of it), and whether each goal is met (on the medians). One JSON line per run
+(``--jsonl``).
 
     PYTHONPATH=. python bench/vs_transformers.py [--swakv-cmd "python -m cluster serve --port {port}"]
         [--runs 3] [--requests 100] [--rate 8] [--jsonl bench/results/x.jsonl]
@@ -277,6 +279,20 @@ def report(runs: list[Run], args) -> list[str]:
             s, t = med["swakv", mode, metric], med["transformers", mode, metric]
             lines.append(f"{mode:<6}{metric:<13}{s:>10.2f}{t:>14.2f}{s / t if t else float('nan'):>8.2f}"
                          f"{pct(spread['swakv', mode, metric]):>14}{pct(spread['transformers', mode, metric]):>11}")
+    # A round's two servers run minutes apart; the machine's swings between rounds are larger than that
+    rounds = sorted({r.run for r in runs})
+    lines += ["", "per round, swakv / transformers (the same round's runs, minutes apart: less of the machine's "
+              "drift than the medians carry)", f"{'mode':<6}{'metric':<13}" + "".join(f"{'round ' + str(k):>10}"
+                                                                                        for k in rounds)]
+    by_round = {(r.server, r.mode, r.run): r for r in runs}
+    for mode in args.modes:
+        for metric in ("ttft_p50_ms", "itl_p50_ms"):
+            cells = []
+            for k in rounds:
+                s, t = by_round.get(("swakv", mode, k)), by_round.get(("transformers", mode, k))
+                ok = s is not None and t is not None and getattr(t, metric) > 0
+                cells.append(f"{getattr(s, metric) / getattr(t, metric):>10.2f}" if ok else f"{'-':>10}")
+            lines.append(f"{mode:<6}{metric:<13}" + "".join(cells))
     goals = []
     if "rate" in args.modes:
         for metric, label in (("ttft_p50_ms", "TTFT p50"), ("itl_p50_ms", "ITL p50")):
