@@ -279,7 +279,7 @@ def report(runs: list[Run], args) -> list[str]:
             s, t = med["swakv", mode, metric], med["transformers", mode, metric]
             lines.append(f"{mode:<6}{metric:<13}{s:>10.2f}{t:>14.2f}{s / t if t else float('nan'):>8.2f}"
                          f"{pct(spread['swakv', mode, metric]):>14}{pct(spread['transformers', mode, metric]):>11}")
-    # A round's two servers run minutes apart; the machine's swings between rounds are larger than that
+    # Each round's own ratio: its two servers run minutes apart, closer in time than the rounds are
     rounds = sorted({r.run for r in runs})
     lines += ["", "per round, swakv / transformers (the same round's runs, minutes apart: less of the machine's "
               "drift than the medians carry)", f"{'mode':<6}{'metric':<13}" + "".join(f"{'round ' + str(k):>10}"
