@@ -287,12 +287,12 @@ def report(runs: list[Run], args) -> list[str]:
     by_round = {(r.server, r.mode, r.run): r for r in runs}
     for mode in args.modes:
         for metric in ("ttft_p50_ms", "itl_p50_ms"):
-            cells = []
+            row = f"{mode:<6}{metric:<13}"
             for k in rounds:
                 s, t = by_round.get(("swakv", mode, k)), by_round.get(("transformers", mode, k))
                 ok = s is not None and t is not None and getattr(t, metric) > 0
-                cells.append(f"{getattr(s, metric) / getattr(t, metric):>10.2f}" if ok else f"{'-':>10}")
-            lines.append(f"{mode:<6}{metric:<13}" + "".join(cells))
+                row += f"{getattr(s, metric) / getattr(t, metric):>10.2f}" if ok else f"{'-':>10}"
+            lines.append(row)
     goals = []
     if "rate" in args.modes:
         for metric, label in (("ttft_p50_ms", "TTFT p50"), ("itl_p50_ms", "ITL p50")):
