@@ -237,7 +237,13 @@ class GroupCoordinator:
     def _admitted(self, request: Request, hit: int) -> None:
         """Tell the floor what this admission got and what LRU would have, and where the two pools' blocks
         part: with a longer hit, LRU's pool takes its hit's blocks back and never computes, so never frees,
-        the blocks below its window; with a shorter one, it computes them and its window drops them."""
+        the blocks below its window; with a shorter one, it computes them and its window drops them.
+
+        The real hit's own blocks below LRU's window are left out of ``skip``: LRU's pool never took them,
+        but the real one did (``taken`` drops them from the shadow), so their later free puts them back at
+        the shadow's young end. Older in LRU's true order, so this errs on LRU's side, as the floor's
+        promise wants; skipped, they were lost to the shadow for good, and with them a RAG trace's shared
+        system prompt (docs/design.md, Retention, eleventh round)."""
         free = self.pool.free
         floor = free.floor
         lru_hit, request.lru_hit = request.lru_hit, -1
@@ -253,7 +259,7 @@ class GroupCoordinator:
             if lru_hit > hit:
                 for x in hashes[max(hit, first(lru_hit)) // bs:lru_hit // bs]:
                     floor.taken((gid, x))
-                for x in hashes[first(hit) // bs:first(lru_hit) // bs]:
+                for x in hashes[hit // bs:first(lru_hit) // bs]:
                     floor.skip((gid, x), free.num_free_units + 16)
             else:
                 for x in hashes[first(lru_hit) // bs:first(hit) // bs]:
