@@ -177,6 +177,26 @@ def test_a_choice_fed_several_tokens_in_one_item_gives_each_its_own_text_offset(
     assert choice.text == "abhi\u00e9!jk" and choice.finish_reason == "length"
 
 
+def test_a_choice_fed_tokens_past_its_stop_string_in_one_item_keeps_those_up_to_the_one_that_completed_it():
+    # A stream that fell behind gets one item holding several steps' tokens, and the stop string "ini" ends
+    # inside it (CI once saw a completion report 14 tokens where the stop string ended at the 13th). The
+    # choice keeps "...mini" (7 tokens), so do the item (its chunk) and the usage; the text stops before "ini".
+    tok = load_tokenizer(None)
+    for logprobs in (False, True):
+        choice = ResponseChoice(0, 0, "r#0", SamplingParams(), StreamDecoder(tok, ["ini"]))
+
+        def item(ids):
+            return {"token_ids": ids, "finished": False, "finish_reason": None, "num_cached_tokens": 0,
+                    "logprobs": [(-0.5, [1], [-0.5])] * len(ids) if logprobs else None}
+
+        late = item(list(b"cminiXYZ"))
+        deltas = [choice.feed(item(list(b"ab")))[0], choice.feed(late)[0]]
+        assert deltas == ["ab", "cm"] and choice.text == "abcm"
+        assert choice.token_ids == list(b"abcmini") and late["token_ids"] == list(b"cmini")
+        assert (choice.finish_reason, choice.decoder.matched) == ("stop", "ini")
+        assert len(choice.logprobs) == (7 if logprobs else 0)
+
+
 def test_model_tokenizer_is_used_when_the_directory_has_one(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

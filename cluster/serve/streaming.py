@@ -62,13 +62,21 @@ class ResponseChoice:
         return self.finish_reason is not None
 
     def feed(self, item: StreamItem) -> tuple[str, list]:
-        """Take one engine item; return its text delta and the logprob entries it added."""
+        """Take one engine item; return its text delta and the logprob entries it added. An item holding
+        several steps' tokens (its stream fell behind) may go on past a stop string: it keeps only the tokens
+        up to the one that completed it (``item["token_ids"]`` is cut too, for the chunk and the usage)."""
         tokens, entries = item["token_ids"], item.get("logprobs") or []
         added, delta = [], ""
-        if entries:   # each token's text offset is where its text starts: decode an item's tokens one by one
-            for i, (token, entry) in enumerate(zip(tokens, entries)):
-                added.append((token, len(self.echo) + len(self.decoder.text), entry))
-                delta += self.decoder.add([token], final=item["finished"] and i == len(tokens) - 1)
+        if entries or (self.decoder.stop and len(tokens) > 1):
+            # one by one: each token's text offset is where its text starts; a stop string ends at a token
+            last = len(tokens) - 1
+            for i, token in enumerate(tokens):
+                if entries:
+                    added.append((token, len(self.echo) + len(self.decoder.text), entries[i]))
+                delta += self.decoder.add([token], final=item["finished"] and i == last)
+                if self.decoder.stopped and i < last:
+                    tokens = item["token_ids"] = tokens[:i + 1]
+                    break
         else:
             delta = self.decoder.add(tokens, final=item["finished"])
         self.logprobs += added
