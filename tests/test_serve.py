@@ -724,15 +724,19 @@ def test_a_crashed_http_edge_is_restarted_by_ray_and_serves_again(url):
     edge = ray.get_actor("test-serve-http-0", namespace=NAMESPACE)
     pid = ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30)
     ray.kill(edge, no_restart=False)
-    deadline = time.monotonic() + 60
+    # Until the old process is gone its socket may still answer /health, and while Ray restarts the actor
+    # calls to it fail (CI once got ActorUnavailableError right after a 200 from the old process): wait for
+    # the actor to answer from a new process, then for that one to serve.
+    deadline, new_pid = time.monotonic() + 60, pid
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
+            new_pid = ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=5)
+            if new_pid != pid and httpx.get(url + "/health", timeout=5).status_code == 200:
                 break
-        except httpx.HTTPError:
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, httpx.HTTPError):
             pass
         time.sleep(0.2)
-    assert ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30) != pid
+    assert new_pid != pid
     assert_still_serving(url)
 
 
