@@ -71,7 +71,7 @@ class ResponseChoice:
             # one by one: each token's text offset is where its text starts; a stop string ends at a token
             last = len(tokens) - 1
             for i, token in enumerate(tokens):
-                if entries:
+                if i < len(entries):
                     added.append((token, len(self.echo) + len(self.decoder.text), entries[i]))
                 delta += self.decoder.add([token], final=item["finished"] and i == last)
                 if self.decoder.stopped and i < last:
