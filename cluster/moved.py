@@ -2,9 +2,10 @@
 
 Scripts written against the old flat layout (the shared reproducers among them: ``cluster.engine_actor``,
 ``cluster.llm``, ``workers.tiny_models``) import each moved module under its old name and get the module
-itself, not a copy. Resolved on first import only; ``import cluster`` installs the finder, so an old
-``workers.*`` path resolves once ``cluster`` has been imported. A module that became a package of the same
-name (``cluster.serve``, ``workers.attention``) keeps its old names in the package instead.
+itself, not a copy (``cluster.llm``, split in two, reads the names of both). Resolved on first import only; ``import cluster`` installs the finder, so an old
+``workers.*`` path resolves once ``cluster`` has been imported. The three modules that became packages of
+the same name export their old public names from the package instead (``cluster.engine``, ``cluster.serve``,
+``workers.attention``; names the step deleted, such as ``slot_mapping``, are gone).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 
 MOVED = {
     "cluster.app": "cluster.serve.builder",
@@ -20,7 +22,7 @@ MOVED = {
     "cluster.engine_actor": "cluster.ray.engine_actor",
     "cluster.executors": "cluster.ray.executors",
     "cluster.kv_events": "cluster.engine.kv_events",
-    "cluster.llm": "cluster.engine.llm",
+    "cluster.llm": ("cluster.engine.llm", "cluster.engine.build"),
     "cluster.loadgen": "cluster.loadtest.client",
     "cluster.planner": "cluster.tools.planner",
     "cluster.replicas": "cluster.routing.replicas",
@@ -50,7 +52,19 @@ class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if name in MOVED else None
 
     def create_module(self, spec):
-        return importlib.import_module(MOVED[spec.name])
+        new = MOVED[spec.name]
+        if isinstance(new, str):
+            return importlib.import_module(new)
+        parts = [importlib.import_module(n) for n in new]
+        module = types.ModuleType(spec.name, f"{spec.name}, now split into {', '.join(new)}")
+
+        def __getattr__(name):
+            for part in parts:
+                if hasattr(part, name):
+                    return getattr(part, name)
+            raise AttributeError(f"module {spec.name!r} has no attribute {name!r}")
+        module.__getattr__ = __getattr__
+        return module
 
     def exec_module(self, module) -> None:
         pass    # the new module ran when it was imported

@@ -11,9 +11,26 @@ import pytest
 from cluster.moved import MOVED
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
+@pytest.mark.parametrize("old", sorted(o for o, n in MOVED.items() if isinstance(n, str)))
 def test_an_old_module_path_is_the_module_at_its_new_path(old):
     assert importlib.import_module(old) is importlib.import_module(MOVED[old])
+
+
+def test_the_old_llm_module_split_in_two_reads_the_names_of_both():
+    import cluster.llm as old
+    from cluster.engine import build, llm
+    assert MOVED["cluster.llm"] == ("cluster.engine.llm", "cluster.engine.build")
+    assert (old.LLM, old.CompletionOutput) == (llm.LLM, llm.CompletionOutput)
+    assert (old.model_config, old.eos_token_ids, old.resolve_model) == (build.model_config, build.eos_token_ids,
+                                                                       build.resolve_model)
+    with pytest.raises(AttributeError, match="'cluster.llm' has no attribute 'nope'"):
+        old.nope
+
+
+def test_the_old_engine_modules_names_resolve_in_the_engine_package():
+    import cluster.engine
+    from cluster.engine import engine
+    assert (cluster.engine.Engine, cluster.engine.WorkerFailure) == (engine.Engine, engine.WorkerFailure)
 
 
 def test_the_reproducers_old_imports_resolve_in_a_fresh_interpreter():
