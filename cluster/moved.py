@@ -2,8 +2,9 @@
 
 Scripts written against the old flat layout (the shared reproducers among them: ``cluster.engine_actor``,
 ``cluster.llm``, ``workers.tiny_models``) import each moved module under its old name and get the module
-itself, not a copy (``cluster.llm``, split in two, reads the names of both). Resolved on first import only; ``import cluster`` installs the finder, so an old
-``workers.*`` path resolves once ``cluster`` has been imported. The three modules that became packages of
+itself, not a copy (``cluster.llm``, split in two, reads the names of both halves). Resolved on first import
+only; ``import cluster`` installs the finder, so an old ``workers.*`` path resolves once ``cluster`` has been
+imported. The three modules that became packages of
 the same name export their old public names from the package instead (``cluster.engine``, ``cluster.serve``,
 ``workers.attention``; names the step deleted, such as ``slot_mapping``, are gone).
 """

@@ -1,5 +1,6 @@
 """Module paths from before the layout step still import (``cluster/moved.py``): scripts written against
-the flat layout, the shared reproducers among them, get the very module at its new path."""
+the flat layout, the shared reproducers among them, get the very module at its new path (``cluster.llm``,
+split in two, the names of both halves)."""
 from __future__ import annotations
 
 import importlib
