@@ -719,10 +719,15 @@ def test_client_disconnect_aborts_the_request(url):
     assert r.json()["choices"][0]["token_ids"] == greedy(tuple(PROMPT.encode()), 12)
 
 
+def actor_pid(actor, timeout: float = 30) -> int:
+    """The process id an actor answers from."""
+    return ray.get(actor.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=timeout)
+
+
 def test_a_crashed_http_edge_is_restarted_by_ray_and_serves_again(url):
     """The edge is a plain actor: if its process dies, Ray starts it again and it binds the same port."""
     edge = ray.get_actor("test-serve-http-0", namespace=NAMESPACE)
-    pid = ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30)
+    pid = actor_pid(edge)
     ray.kill(edge, no_restart=False)
     # Until the old process is gone its socket may still answer /health, and while Ray restarts the actor
     # calls to it fail (CI once got ActorUnavailableError right after a 200 from the old process): wait for
@@ -730,7 +735,7 @@ def test_a_crashed_http_edge_is_restarted_by_ray_and_serves_again(url):
     deadline, new_pid = time.monotonic() + 60, pid
     while time.monotonic() < deadline:
         try:
-            new_pid = ray.get(edge.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=5)
+            new_pid = actor_pid(edge, timeout=5)
             if new_pid != pid and httpx.get(url + "/health", timeout=5).status_code == 200:
                 break
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, httpx.HTTPError):
@@ -746,10 +751,10 @@ def test_two_http_edges_share_a_port_and_one_serves_when_the_other_is_gone(url):
                         name="test-serve-pair-http")
     try:
         base = f"http://127.0.0.1:{port}"
-        pids = {ray.get(e.__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30) for e in edges}
+        pids = {actor_pid(e) for e in edges}
         assert len(pids) == 2
         assert_still_serving(base)
-        pid0 = ray.get(edges[0].__ray_call__.remote(lambda self: __import__("os").getpid()), timeout=30)
+        pid0 = actor_pid(edges[0])
         ray.kill(edges[0], no_restart=True)
         deadline = time.monotonic() + 30   # ray.kill returns at once: until the process is gone, the kernel
         while time.monotonic() < deadline:  # may still hand its socket a connection, which its death resets
