@@ -259,6 +259,7 @@ class GroupCoordinator:
             if lru_hit > hit:
                 for x in hashes[max(hit, first(lru_hit)) // bs:lru_hit // bs]:
                     floor.taken((gid, x))
+                    free.lost_block((gid, x))
                 for x in hashes[hit // bs:first(lru_hit) // bs]:
                     floor.skip((gid, x), free.num_free_units + 16)
             else:

@@ -11,7 +11,11 @@ lowest non-empty tier:
    over from a dissolution). Evicting them costs nothing: no cached block goes while one is free.
 1. **unreachable**: cached blocks a sliding (or chunked) group dropped mid-request that lie below no
    fork and no prompt end, and windows a follow-up already consumed (shared by a hit that extended the
-   chain). No plausible hit ends above them.
+   chain). No plausible hit ends above them: a claim about the workload, checked. Each block it is made
+   for is marked; a hit that takes one back, or a lookup that LRU's pool (the floor's shadow) served with
+   one tier 1 had evicted, counts against it. While more than one in ``DOUBT`` of the marked blocks were
+   wanted again (edits and regenerations cut a history anywhere; retrieval reorders documents), such
+   blocks wait in tier 3 in release order instead, as LRU's order has them.
 2. **speculative**: dropped blocks in the window below the request's prompt end (an identical resend) or
    below any point of its last ``LAST_MESSAGE_TOKENS`` tokens: a later prompt that agrees with it up to its
    last message (another question on the same document, an edited last turn) forks there.
@@ -77,6 +81,11 @@ EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 # Retention, tier 2, has the measurement that chose it).
 LAST_MESSAGE_TOKENS = 256
 
+# Tier 1 is a claim about the workload (no hit ends above those blocks), checked against hits: it is
+# withdrawn while more than one in DOUBT of the blocks it was made for (about the last four pools' worth)
+# were wanted again (docs/design.md, Retention, thirteenth round).
+DOUBT = 20
+
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
 VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
 PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
@@ -138,6 +147,11 @@ class FreeQueue:
         self._reusable_units = 0      # units waiting in tier 3
         self._clock = 0               # units ever released into tier 3: a batch's age is clock - stamp
         self._evicted = 0             # cached units ever evicted (reused for new content), any tier
+        # Tier 1's claim: blocks it was made for, and those wanted again (a hit took one back, or LRU's pool
+        # served one tier 1 had evicted: ``lost_block``); the evicted ones are remembered for the second
+        self._unreachable = 0
+        self._unreachable_wanted = 0
+        self._unreachable_gone: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
         # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
         self._cap = max(16, 2 * len(units))
@@ -176,7 +190,9 @@ class FreeQueue:
         no one else holds wait by where a hit could still end just above them: at a fork of the request's
         chain (their indices in ``below_fork``), at its prompt end (``below_prompt_end``), nowhere known."""
         proven = []
+        doubted = []
         tiers = self._tiers
+        trusted = self._unreachable_wanted * DOUBT <= self._unreachable
         i = first
         for block in blocks:
             if block.ref_cnt == 0:
@@ -185,15 +201,37 @@ class FreeQueue:
                 elif i in below_fork:
                     proven.append(block)
                 elif block.shared or i not in below_prompt_end:   # shared: consumed by a hit that
-                    block.due = self._evicted + tiers[UNREACHABLE].units    # extended the chain
-                    self._push(block, tiers[UNREACHABLE])
+                    self._claim(block)                             # extended the chain
+                    if trusted:
+                        block.due = self._evicted + tiers[UNREACHABLE].units
+                        self._push(block, tiers[UNREACHABLE])
+                    else:                   # the claim is in doubt: tier 3, in release order
+                        doubted.append(block)
                 else:
                     block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
                     self._push(block, tiers[SPECULATIVE])
             i += 1
+        if doubted:
+            self._release_batches(doubted, [])
         if proven:
             self._release_batches([], proven)
         self._lru_release(reversed(blocks))      # LRU: a drop releases from the window's edge backwards
+
+    def _claim(self, block) -> None:
+        """Tier 1's claim is made for ``block``; the counts halve once they span four pools' worth."""
+        block.unreachable = True
+        self._unreachable += 1
+        if self._unreachable > 2 * self._cap:
+            self._unreachable //= 2
+            self._unreachable_wanted //= 2
+
+    def lost_block(self, key: tuple[int, bytes]) -> None:
+        """LRU's pool served this block and the real one no longer held it: if tier 1 had evicted it, the
+        claim that no hit ends above it was wrong."""
+        if self._unreachable_gone.pop(key, 0) is None:
+            copies = self._cached[key[0]].get(key[1]) if self._cached else None
+            if not copies:          # (a copy cached again since: the real pool lacked nothing)
+                self._unreachable_wanted += 1
 
     def add_released(self, blocks, preempted: bool = False) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
@@ -217,8 +255,12 @@ class FreeQueue:
             self._push(unit, empty, front=True)
 
     def remove(self, block) -> None:
-        """A prefix hit takes a free block back. A hit on a tier-3 batch teaches the reuse distance."""
+        """A prefix hit takes a free block back. A hit on a tier-3 batch teaches the reuse distance; one on
+        a block tier 1's claim was made for, that the claim was wrong."""
         b = block.bin
+        if block.unreachable:
+            block.unreachable = False
+            self._unreachable_wanted += 1
         if b.batches is not None and not b.counted:
             b.counted = True
             age = self._clock - b.stamp
@@ -557,6 +599,12 @@ class FreeQueue:
 
     def _pop(self, entry, b: Bin):
         """Take ``entry`` (visited in bin ``b``) for new content (a tier-3 entry with a hash leaves a ghost)."""
+        if entry.unreachable:
+            entry.unreachable = False
+            gone = self._unreachable_gone
+            gone[(entry.group, entry.block_hash)] = None
+            if len(gone) > self._cap:
+                gone.popitem(last=False)
         if entry.block_hash is not None:
             self.floor.evicted = True
             self._evicted += len(entry.units)
@@ -642,6 +690,7 @@ class FreeQueue:
         empty = self._tiers[EMPTY]
         for e in entries:
             e.lru = None
+            e.unreachable = False
             self._push(e, empty)
         self._cap = max(16, 2 * self.num_free_units)
         self.floor.reset()

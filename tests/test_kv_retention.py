@@ -17,7 +17,7 @@ import pytest
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block, BlockPool
-from kvmanager.free_queue import THRESHOLD, FreeQueue
+from kvmanager.free_queue import DOUBT, THRESHOLD, FreeQueue
 
 from drivers import decode, ids, run_step
 
@@ -313,6 +313,39 @@ def test_a_preempted_requests_blocks_wait_as_proven_and_serve_its_resumption():
     assert run_step(mgr, Request("x", [70] * 4), 4) == ([11, 12], [5, 10])
     hit, h = mgr.get_computed_blocks(r)
     assert (ids(hit), h) == ([[1, 2, 3, 4], [0, 0, 0, 9]], 8)
+
+
+def test_tier_1s_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_was_hit_again():
+    # Tier 1 says no hit ends above a dropped interior. Edits and regenerations cut histories there: a hit
+    # that takes back a block the claim was made for counts against it. Up to one in DOUBT (20) it holds;
+    # past that, a dropped interior waits in tier 3 in release order, behind older finished chains.
+    q = FreeQueue([], (1,))
+    interior = _blocks(1, DOUBT - 1, "i")
+    q.add_dropped(interior, 0, (), ())             # 19 claimed: tier 1
+    (chain,) = _blocks(30, 1, "c")
+    _release(q, [chain])                           # tier 3
+    q.add_dropped(_blocks(40, 1, "e"), 0, (), ())  # 20 claimed
+    q.remove(interior[0])                          # hit again: 1 of 20, 20 <= 20: the claim holds
+    q.add_dropped(_blocks(50, 1, "f"), 0, (), ())  # tier 1, ahead of the chain
+    q.remove(interior[1])                          # 2 of 21: 40 > 21: withdrawn
+    q.add_dropped(_blocks(60, 1, "d"), 0, (), ())  # tier 3, after the older chain
+    assert q.ids() == list(range(3, 20)) + [40, 50, 30, 60]
+
+
+def test_a_block_tier_1_evicted_that_lrus_pool_then_served_counts_against_its_claim():
+    # Under pressure tier 1's blocks go before a hit can take them back; the floor's shadow tells when plain
+    # LRU's pool still held one that a lookup then wanted (``lost_block``, from the coordinator).
+    q = FreeQueue([], (1,))
+    a = _blocks(1, 3, "a")
+    q.add_dropped(a, 0, (), ())                    # 3 claimed
+    (chain,) = _blocks(10, 1, "c")
+    _release(q, [chain])
+    assert q.take(0) == [a[0]]                     # tier 1 goes first
+    q.lost_block((-1, b"c10"))                     # not a block tier 1 evicted: nothing
+    q.add_dropped(_blocks(20, 1, "x"), 0, (), ())  # still claimed: tier 1 (4 claimed)
+    q.lost_block((-1, a[0].block_hash))            # LRU served what tier 1 evicted: 1 of 4, 20 > 4
+    q.add_dropped(_blocks(30, 1, "y"), 0, (), ())  # withdrawn: tier 3, after the chain
+    assert q.ids() == [2, 3, 20, 10, 30]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
+from kvmanager import free_queue
 from kvmanager.block_pool import Block
 from kvmanager.floor import SLACK, Floor
 from kvmanager.free_queue import THRESHOLD, FreeQueue
@@ -60,7 +63,14 @@ def edit_hits(mgr, request_cls) -> tuple[list[int], int]:
     return hits, prompt
 
 
-def test_edits_into_a_documents_interior_lose_one_hit_to_lru_then_follow_it():
+@pytest.fixture
+def tier1_never_doubted(monkeypatch):
+    """Tier 1's claim (no hit ends above a dropped interior) kept whatever the hits say (``DOUBT`` 0), so
+    that an edit trace shows the floor alone."""
+    monkeypatch.setattr(free_queue, "DOUBT", 0)
+
+
+def test_edits_into_a_documents_interior_lose_one_hit_to_lru_then_follow_it(tier1_never_doubted):
     # Sliding W 8, block 4, 15 blocks, no last-message margin: a document's dropped interior blocks wait
     # as unreachable (tier 1) and go first, so the tiers alone would evict exactly the window every edit
     # needs (blocks 4 and 5) to make room for the unrelated request; plain LRU evicts older content and
@@ -78,6 +88,19 @@ def test_edits_into_a_documents_interior_lose_one_hit_to_lru_then_follow_it():
     # The stated bound: 168 >= 192 - 0.002 * 776 - 0 - 24 (the one admission's overshoot)
     assert floor.forgiven == 0
     assert prompt == 776 and sum(hits) >= sum(lru) - SLACK * prompt - 24
+
+
+def test_edits_into_a_documents_interior_withdraw_tier_1s_claim_and_every_edit_hits_as_lrus_do():
+    # The trace above with tier 1's claim checked (the default). Round 1: the document's 8 interior blocks
+    # and 2 of the unrelated request's are claimed unreachable; the edit's hit takes back 2 of them: 2 of
+    # 10, more than one in DOUBT (20), so from round 2 on dropped interiors wait in tier 3 in release
+    # order, as in LRU's. The tiers keep every edit's window, as LRU does, and the floor never switches.
+    mgr = KVCacheManager([SlidingWindow(B, window=W)], num_blocks=16, last_message_tokens=0)
+    hits, prompt = edit_hits(mgr, Request)
+    lru, _ = edit_hits(SimManager([Spec(B, W)], 16, "lru"), SimRequest)
+    assert hits == lru == [24] * 8
+    floor = mgr.pool.free.floor
+    assert (floor.hits, floor.lru_hits, floor.switches, floor.lowest) == (192, 192, 0, 0)
 
 
 def chats(sessions: int = 6, turns: int = 4):
@@ -172,7 +195,7 @@ def sessions(count: int = 6, turns: int = 6):
             history[s] = history[s] + [7]
 
 
-def test_after_lru_takes_over_its_misses_on_chains_it_evicted_give_the_tiers_back():
+def test_after_lru_takes_over_its_misses_on_chains_it_evicted_give_the_tiers_back(tier1_never_doubted):
     # Sliding W 8, block 4, 20 blocks: four edit rounds (the tiers lose round 2's edit, 0 against LRU's 24:
     # the floor follows LRU), then six sessions in turn. LRU evicts each session's window before its next
     # turn (cyclic reuse): it hits nothing. Those are lookups passing ghosts LRU's order evicted while
@@ -258,7 +281,7 @@ def test_below_zero_the_evidence_counts_only_the_ghosts_a_longer_hit_would_have_
     assert q.floor.evidence == 32
 
 
-def test_a_shorter_real_hit_leaves_the_blocks_below_lrus_window_in_the_shadow():
+def test_a_shorter_real_hit_leaves_the_blocks_below_lrus_window_in_the_shadow(tier1_never_doubted):
     # Sliding W 8, block 4, 20 blocks, one request at a time. r1 edits a document at token 30, r3 edits
     # r1 at token 34, r4 the document at 30 again. At r3 the tiers have evicted block 7 of r1's chain,
     # which LRU's hit of 32 needs (with block 6), but hold blocks 5 and 6: the real hit is 28, LRU's 32.
