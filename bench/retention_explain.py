@@ -1,0 +1,201 @@
+"""Why one cell of the retention grid wins or loses against plain LRU: the floor's account, tier 3's order,
+and which evictions cost the hits LRU's pool would have served.
+
+`bench/retention.py` says *that* a cell loses; this says *where*. It serves one cell as the grid does, with
+a ``Trace`` attached to swakv's manager, and prints:
+
+- the hit rate next to the simulated LRU's on its own schedule, and next to the floor's shadow (LRU's hits
+  on swakv's schedule): where those two LRU figures differ, the floor cannot see the whole gap;
+- the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
+- a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
+  in force (the tiers with tier 3 in LRU order, youngest-first, or LRU below the floor);
+- when tier 3 turned youngest-first and back, and which votes did it;
+- every admission where the shadow's LRU hit was longer: its lost tokens, shared among the blocks LRU's
+  hit used that the real pool lacked, by where each waited when it was evicted and the order in force
+  then; "never evicted here" marks content the real pool never held then (LRU computed it again after a
+  shorter hit of its own, and kept it).
+
+    python bench/retention_explain.py --seed 541911745 --draw 2 --family edit --layout gemma3 --pool 4293
+
+It reads the free queue's private state (``kvmanager/free_queue.py``), as a debugger would;
+tests/test_retention_explain.py keeps it in step.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvmanager.floor import Floor  # noqa: E402
+from kvmanager.free_queue import THRESHOLD, FreeQueue  # noqa: E402
+
+NEVER = "never evicted here"
+VOTES = {("remove", True): "hits on tier-3 batches older than tier 3 holds",
+         ("note_lookup", True): "ghosts LRU's order evicted",
+         ("note_lookup", False): "ghosts youngest-first evicted that LRU would have kept"}
+
+
+class Trace:
+    """Records one manager's admissions, evictions, tier-3 votes and lost blocks while attached (a context
+    manager: it wraps ``FreeQueue`` and ``Floor`` methods for that manager's instances only, and restores
+    them on exit)."""
+
+    def __init__(self, mgr):
+        self.queue = mgr.pool.free
+        self.admissions: list[tuple[int, int, float, str]] = []   # (hit, LRU's, credit, order after)
+        self.evicted: dict[tuple[int, bytes], str] = {}           # content -> where it waited, order then
+        self.lost_blocks: Counter = Counter()                     # where the blocks LRU used had gone
+        self.lost_tokens: Counter = Counter()
+        self.flips: list[tuple[int, str]] = []
+        self.votes: Counter = Counter()
+        self.first_eviction = 0                                   # the admission that evicted first
+        self._pending: list[str] = []                             # this admission's lacking blocks
+        self._saved: list = []
+
+    def order(self) -> str:
+        q = self.queue
+        if q.floor.follow_lru:
+            return "LRU below the floor"
+        return "youngest-first" if q._votes >= THRESHOLD else "tiers"
+
+    def _where(self, entry) -> str:
+        q, b = self.queue, entry.bin
+        if b.batches is None:
+            return {1: "tier 1 (unreachable)", 2: "tier 2 (speculative)"}.get(q._tiers.index(b), "tier 0")
+        return {id(q._chains): "tier-3 chain", id(q._quick): "tier-3 quick chain"}.get(id(b.batches),
+                                                                                      "tier-3 proven")
+
+    # -- the wrappers ----------------------------------------------------------------------------
+    def __enter__(self) -> Trace:
+        trace, queue, floor = self, self.queue, self.queue.floor
+
+        def wrap(cls, name, before=None, after=None):
+            original = getattr(cls, name)
+
+            def method(obj, *args):
+                mine = obj is queue or obj is floor
+                if mine and before:
+                    before(*args)
+                out = original(obj, *args)
+                if mine and after:
+                    after(*args)
+                return out
+            self._saved.append((cls, name, original))
+            setattr(cls, name, method)
+
+        def admitted(hit, lru_hit, prompt_tokens):
+            trace._settle()
+            trace.admissions.append((hit, lru_hit, floor.credit, trace.order()))
+
+        def popped(entry, _bin):
+            if entry.block_hash is not None:
+                if not trace.evicted:
+                    trace.first_eviction = len(trace.admissions)
+                trace.evicted[(entry.group, entry.block_hash)] = f"{trace._where(entry)}, {trace.order()}"
+
+        def lost(key):
+            copies = queue._cached[key[0]].get(key[1]) if queue._cached else None
+            if not copies:
+                trace._pending.append(trace.evicted.get(key, NEVER))
+
+        def voted(v):
+            before = queue._votes >= THRESHOLD
+            caller = sys._getframe(2).f_code.co_name
+            trace.votes[VOTES.get((caller, v > 0), f"{caller} {v:+d}")] += 1
+            trace._flip_from = before
+
+        def voted_after(v):
+            now = queue._votes >= THRESHOLD
+            if now != trace._flip_from:
+                trace.flips.append((len(trace.admissions), "youngest-first" if now else "LRU order"))
+
+        def back_to_lru():
+            if queue._votes >= THRESHOLD:
+                trace.flips.append((len(trace.admissions), "LRU order (an admission got less than LRU)"))
+
+        wrap(Floor, "admitted", after=admitted)
+        wrap(FreeQueue, "_pop", before=popped)
+        wrap(FreeQueue, "lost_block", before=lost)
+        wrap(FreeQueue, "_vote", before=voted, after=voted_after)
+        wrap(FreeQueue, "lost_to_lru", before=back_to_lru)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._settle()
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()
+
+    def _settle(self) -> None:
+        """Charge the last admission's lost tokens to where its lacking blocks had gone, in shares."""
+        if self._pending and self.admissions:
+            hit, lru_hit = self.admissions[-1][:2]
+            for where, n in Counter(self._pending).items():
+                self.lost_blocks[where] += n
+                self.lost_tokens[where] += (lru_hit - hit) * n / len(self._pending)
+        self._pending = []
+
+
+def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int) -> None:
+    import retention as R
+    d = R.draw_settings(seed, draw + 1)[draw]
+    workload = R.FAMILIES[family](d.workload_seed)
+    windows = R.windows_of(layout, d.window)
+    kw = dict(step_tokens=d.chunk, max_running=d.concurrency)
+    num_blocks = pool * len(windows) + 1
+    swakv = R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout))
+    with Trace(swakv.mgr) as trace:
+        stats = R.serve(workload, swakv, **kw)
+    lru = R.serve(workload, R.SimAdapter(windows, num_blocks, "lru"), **kw)
+    floor = swakv.mgr.pool.free.floor
+    print(f"seed {seed} draw {draw} (window {d.window}, {d.concurrency} running, chunk {d.chunk}): "
+          f"{family} / {layout} / {pool} blocks per group, {floor.prompt_tokens:,} prompt tokens")
+    print(f"hit rate: swakv {stats['hit_rate']:.4f}, plain LRU on its own schedule {lru['hit_rate']:.4f} "
+          f"({stats['hit_rate'] - lru['hit_rate']:+.4f})")
+    print(f"hit tokens: swakv {floor.hits:,}; LRU on its own schedule {lru['hit_tokens']:,}; LRU on swakv's "
+          f"schedule (the floor's shadow) {floor.lru_hits:,}")
+    print(f"floor: written off {floor.forgiven:,.0f} tokens; credit at the end {floor.credit:,.0f} (lowest "
+          f"{floor.lowest:,.0f}); followed LRU at {floor.lru_admissions}/{floor.admissions} admissions, "
+          f"{floor.switches} switches")
+    print(f"\n{'admission':>9} {'hits - shadow':>14} {'credit':>9}  order")
+    total = 0
+    for i, (hit, lru_hit, credit, order) in enumerate(trace.admissions, 1):
+        total += hit - lru_hit
+        if i % every == 0 or i == len(trace.admissions):
+            print(f"{i:>9} {total:>14,} {credit:>9,.0f}  {order}")
+    print(f"\nfirst cached block evicted after admission {trace.first_eviction}" if trace.evicted else
+          "\nno cached block was evicted")
+    flips = [f"{what} at {i}" for i, what in trace.flips]
+    print("tier 3's order: " + (", ".join(flips[:6]) or "LRU throughout")
+          + (f", and {len(flips) - 6} more changes up to admission {trace.flips[-1][0]}" if len(flips) > 6 else ""))
+    print("votes: " + (", ".join(f"{n} {what}" for what, n in trace.votes.most_common()) or "none"))
+    lost = sum(trace.lost_tokens.values())
+    print(f"\nwhere the shadow's LRU hit was longer ({lost:,.0f} tokens in all), by where the blocks it used "
+          "had gone:")
+    for where, tokens in trace.lost_tokens.most_common():
+        print(f"  {tokens:>9,.0f} tokens  {trace.lost_blocks[where]:>6} blocks  {where}")
+    if not trace.lost_tokens:
+        print("  none")
+
+
+def main() -> None:
+    import retention as R
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, required=True, help="the grid's seed")
+    ap.add_argument("--draw", type=int, required=True, help="the draw (0-based)")
+    ap.add_argument("--family", required=True, choices=list(R.FAMILIES))
+    ap.add_argument("--layout", required=True, choices=list(R.LAYOUTS))
+    ap.add_argument("--pool", type=int, required=True, help="blocks per group, as the grid prints them")
+    ap.add_argument("--every", type=int, default=25, help="admissions between timeline rows (default 25)")
+    args = ap.parse_args()
+    if args.draw < 0 or args.pool < 1 or args.every < 1:
+        ap.error("--draw must be >= 0, --pool and --every >= 1")
+    explain(args.seed, args.draw, args.family, args.layout, args.pool, args.every)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""bench/retention_explain.py: the cost of a wrong guess is charged to the tier that made it."""
+from __future__ import annotations
+
+import os
+import sys
+
+from kvmanager import KVCacheManager, Request, SlidingWindow
+from kvmanager.floor import Floor
+from kvmanager.free_queue import FreeQueue
+
+from test_kv_retention_floor import B, W, edit_hits, tier1_never_doubted  # noqa: F401 (a fixture)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+from retention_explain import Trace  # noqa: E402
+
+
+def test_the_edit_a_wrong_tier_1_claim_loses_is_charged_to_tier_1_and_the_methods_are_restored(
+        tier1_never_doubted):
+    # The floor's edit trace (tests/test_kv_retention_floor.py) with tier 1's claim never doubted: round
+    # 2's edit hits 0 where LRU hits 24, because tier 1 evicted the window it needs (blocks 4 and 5 of the
+    # document: 2 blocks) to make room while the tiers were in charge; every other edit hits 24.
+    originals = (Floor.admitted, FreeQueue._pop, FreeQueue.lost_block, FreeQueue._vote)
+    mgr = KVCacheManager([SlidingWindow(B, window=W)], num_blocks=16, last_message_tokens=0)
+    with Trace(mgr) as trace:
+        hits, _ = edit_hits(mgr, Request)
+    assert hits == [24, 0, 24, 24, 24, 24, 24, 24]
+    assert dict(trace.lost_tokens) == {"tier 1 (unreachable), tiers": 24}
+    assert dict(trace.lost_blocks) == {"tier 1 (unreachable), tiers": 2}
+    assert len(trace.admissions) == 24
+    assert [(hit, lru) for hit, lru, _, _ in trace.admissions[3:6]] == [(0, 0), (0, 0), (0, 24)]
+    assert trace.admissions[5][3] == "LRU below the floor"      # the floor switched at that admission
+    assert (Floor.admitted, FreeQueue._pop, FreeQueue.lost_block, FreeQueue._vote) == originals
