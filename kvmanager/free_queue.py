@@ -18,7 +18,9 @@ lowest non-empty tier:
    blocks wait in tier 3 in release order instead, as LRU's order has them.
 2. **speculative**: dropped blocks in the window below the request's prompt end (an identical resend) or
    below any point of its last ``LAST_MESSAGE_TOKENS`` tokens: a later prompt that agrees with it up to its
-   last message (another question on the same document, an edited last turn) forks there.
+   last message (another question on the same document, an edited last turn) forks there. Evicting them
+   before every finished chain is a claim too (such forks are rarer than follow-ups), checked the same way:
+   where it fails (questions over retrieved documents come back to a document's end), they wait in tier 3.
 3. **reusable**, in release batches: a finished request's **chain** (its trailing window, its full-attention
    blocks), which its follow-up turn needs; and, apart, blocks **proven** shared (below a fork of their
    chain, or of a preempted request, which comes back first).
@@ -81,9 +83,10 @@ EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 # Retention, tier 2, has the measurement that chose it).
 LAST_MESSAGE_TOKENS = 256
 
-# Tier 1 is a claim about the workload (no hit ends above those blocks), checked against hits: it is
-# withdrawn while more than one in DOUBT of the blocks it was made for (about the last four pools' worth)
-# were wanted again (docs/design.md, Retention, thirteenth round).
+# Tiers 1 and 2 are claims about the workload (no hit ends above those blocks; few do, fewer than on finished
+# chains), each checked against hits: withdrawn while more than one in DOUBT of the blocks it was made for
+# (about the last four pools' worth) were wanted again (docs/design.md, Retention, thirteenth and fourteenth
+# rounds).
 DOUBT = 20
 
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
@@ -147,11 +150,11 @@ class FreeQueue:
         self._reusable_units = 0      # units waiting in tier 3
         self._clock = 0               # units ever released into tier 3: a batch's age is clock - stamp
         self._evicted = 0             # cached units ever evicted (reused for new content), any tier
-        # Tier 1's claim: blocks it was made for, and those wanted again (a hit took one back, or LRU's pool
-        # served one tier 1 had evicted: ``lost_block``); the evicted ones are remembered for the second
-        self._unreachable = 0
-        self._unreachable_wanted = 0
-        self._unreachable_gone: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        # Tiers 1 and 2's claims: blocks each was made for, and those wanted again (a hit took one back, or
+        # LRU's pool served one the tier had evicted: ``lost_block``); the evicted ones are remembered for that
+        self._claimed = [0, 0, 0]     # per tier (1, 2): blocks its claim was made for
+        self._wanted = [0, 0, 0]      # per tier: those wanted again
+        self._claim_gone: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # evicted -> its tier
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
         # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
         self._cap = max(16, 2 * len(units))
@@ -192,7 +195,9 @@ class FreeQueue:
         proven = []
         doubted = []
         tiers = self._tiers
-        trusted = self._unreachable_wanted * DOUBT <= self._unreachable
+        claimed, wanted = self._claimed, self._wanted
+        trusted = wanted[UNREACHABLE] * DOUBT <= claimed[UNREACHABLE]
+        hopeful = wanted[SPECULATIVE] * DOUBT <= claimed[SPECULATIVE]
         i = first
         for block in blocks:
             if block.ref_cnt == 0:
@@ -201,15 +206,19 @@ class FreeQueue:
                 elif i in below_fork:
                     proven.append(block)
                 elif block.shared or i not in below_prompt_end:   # shared: consumed by a hit that
-                    self._claim(block)                             # extended the chain
+                    self._claim(block, UNREACHABLE)                # extended the chain
                     if trusted:
                         block.due = self._evicted + tiers[UNREACHABLE].units
                         self._push(block, tiers[UNREACHABLE])
                     else:                   # the claim is in doubt: tier 3, in release order
                         doubted.append(block)
                 else:
-                    block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
-                    self._push(block, tiers[SPECULATIVE])
+                    self._claim(block, SPECULATIVE)
+                    if hopeful:
+                        block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
+                        self._push(block, tiers[SPECULATIVE])
+                    else:
+                        doubted.append(block)
             i += 1
         if doubted:
             self._release_batches(doubted, [])
@@ -217,21 +226,22 @@ class FreeQueue:
             self._release_batches([], proven)
         self._lru_release(reversed(blocks))      # LRU: a drop releases from the window's edge backwards
 
-    def _claim(self, block) -> None:
-        """Tier 1's claim is made for ``block``; the counts halve once they span four pools' worth."""
-        block.unreachable = True
-        self._unreachable += 1
-        if self._unreachable > 2 * self._cap:
-            self._unreachable //= 2
-            self._unreachable_wanted //= 2
+    def _claim(self, block, tier: int) -> None:
+        """``tier``'s claim is made for ``block``; its counts halve once they span four pools' worth."""
+        block.claim = tier
+        self._claimed[tier] += 1
+        if self._claimed[tier] > 2 * self._cap:
+            self._claimed[tier] //= 2
+            self._wanted[tier] //= 2
 
     def lost_block(self, key: tuple[int, bytes]) -> None:
-        """LRU's pool served this block and the real one no longer held it: if tier 1 had evicted it, the
-        claim that no hit ends above it was wrong."""
-        if self._unreachable_gone.pop(key, 0) is None:
+        """LRU's pool served this block and the real one no longer held it: if tier 1 or 2 had evicted it, that
+        tier's claim was wrong."""
+        tier = self._claim_gone.pop(key, 0)
+        if tier:
             copies = self._cached[key[0]].get(key[1]) if self._cached else None
             if not copies:          # (a copy cached again since: the real pool lacked nothing)
-                self._unreachable_wanted += 1
+                self._wanted[tier] += 1
 
     def add_released(self, blocks, preempted: bool = False) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
@@ -256,11 +266,11 @@ class FreeQueue:
 
     def remove(self, block) -> None:
         """A prefix hit takes a free block back. A hit on a tier-3 batch teaches the reuse distance; one on
-        a block tier 1's claim was made for, that the claim was wrong."""
+        a block tier 1's or 2's claim was made for, that the claim was wrong."""
         b = block.bin
-        if block.unreachable:
-            block.unreachable = False
-            self._unreachable_wanted += 1
+        if block.claim:
+            self._wanted[block.claim] += 1
+            block.claim = 0
         if b.batches is not None and not b.counted:
             b.counted = True
             age = self._clock - b.stamp
@@ -599,10 +609,10 @@ class FreeQueue:
 
     def _pop(self, entry, b: Bin):
         """Take ``entry`` (visited in bin ``b``) for new content (a tier-3 entry with a hash leaves a ghost)."""
-        if entry.unreachable:
-            entry.unreachable = False
-            gone = self._unreachable_gone
-            gone[(entry.group, entry.block_hash)] = None
+        if entry.claim:
+            gone = self._claim_gone
+            gone[(entry.group, entry.block_hash)] = entry.claim
+            entry.claim = 0
             if len(gone) > self._cap:
                 gone.popitem(last=False)
         if entry.block_hash is not None:
@@ -690,7 +700,7 @@ class FreeQueue:
         empty = self._tiers[EMPTY]
         for e in entries:
             e.lru = None
-            e.unreachable = False
+            e.claim = 0
             self._push(e, empty)
         self._cap = max(16, 2 * self.num_free_units)
         self.floor.reset()

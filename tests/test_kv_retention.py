@@ -348,6 +348,38 @@ def test_a_block_tier_1_evicted_that_lrus_pool_then_served_counts_against_its_cl
     assert q.ids() == [2, 3, 20, 10, 30]
 
 
+def test_tier_2s_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_was_hit_again_tier_1s_stays():
+    # Tier 2 says a dropped window below a prompt's end is reused less than any finished chain. Questions
+    # over retrieved documents come back to a document's end: a hit that takes back a block the claim was
+    # made for counts against it. Up to one in DOUBT (20) it holds; past that, such a window waits in tier 3
+    # in release order, behind older finished chains. Tier 1's claim is counted apart and still holds.
+    q = FreeQueue([], (1,))
+    window = _blocks(1, DOUBT - 1, "w")
+    q.add_dropped(window, 0, (), range(DOUBT - 1))     # 19 claimed: tier 2
+    (chain,) = _blocks(30, 1, "c")
+    _release(q, [chain])                               # tier 3
+    q.add_dropped(_blocks(40, 1, "e"), 0, (), {0})     # 20 claimed
+    q.remove(window[0])                                # hit again: 1 of 20, 20 <= 20: the claim holds
+    q.add_dropped(_blocks(50, 1, "f"), 0, (), {0})     # tier 2, ahead of the chain
+    q.remove(window[1])                                # 2 of 21: 40 > 21: withdrawn
+    q.add_dropped(_blocks(60, 1, "d"), 0, (), {0})     # tier 3, after the older chain
+    q.add_dropped(_blocks(70, 1, "u"), 0, (), ())      # an interior: tier 1's claim, never doubted
+    assert q.ids() == [70] + list(range(3, 20)) + [40, 50, 30, 60]
+
+
+def test_a_block_tier_2_evicted_that_lrus_pool_then_served_counts_against_its_claim():
+    q = FreeQueue([], (1,))
+    a = _blocks(1, 3, "a")
+    q.add_dropped(a, 0, (), range(3))                  # 3 claimed: tier 2
+    (chain,) = _blocks(10, 1, "c")
+    _release(q, [chain])
+    assert q.take(0) == [a[0]]                         # tier 2 goes before tier 3
+    q.add_dropped(_blocks(20, 1, "x"), 0, (), {0})     # still claimed: tier 2 (4 claimed)
+    q.lost_block((-1, a[0].block_hash))                # LRU served what tier 2 evicted: 1 of 4, 20 > 4
+    q.add_dropped(_blocks(30, 1, "y"), 0, (), {0})     # withdrawn: tier 3, after the chain
+    assert q.ids() == [2, 3, 20, 10, 30]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Tier 3's order: LRU until ghost hits prove LRU thrashing, then the youngest chain first
 # ---------------------------------------------------------------------------------------------------------
