@@ -10,6 +10,7 @@ a ``Trace`` attached to swakv's manager, and prints:
 - a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
   in force (the tiers with tier 3 in LRU order, youngest-first, or LRU below the floor);
 - when tier 3 turned youngest-first and back, and which votes did it;
+- the cached blocks evicted, by where each waited and the order in force then;
 - every admission where the shadow's LRU hit was longer: its lost tokens, shared among the blocks LRU's
   hit used that the real pool lacked, by where each waited when it was evicted and the order in force
   then; "never evicted here" marks content the real pool never held then (LRU computed it again after a
@@ -51,6 +52,7 @@ class Trace:
         self.lost_blocks: Counter = Counter()                     # where the blocks LRU used had gone
         self.lost_tokens: Counter = Counter()
         self.flips: list[tuple[int, str]] = []
+        self.evictions: Counter = Counter()                       # cached blocks evicted, by where, order
         self.votes: Counter = Counter()
         self.first_eviction = 0                                   # the admission that evicted first
         self._pending: list[str] = []                             # this admission's lacking blocks
@@ -95,7 +97,9 @@ class Trace:
             if entry.block_hash is not None:
                 if not trace.evicted:
                     trace.first_eviction = len(trace.admissions)
-                trace.evicted[(entry.group, entry.block_hash)] = f"{trace._where(entry)}, {trace.order()}"
+                where = f"{trace._where(entry)}, {trace.order()}"
+                trace.evicted[(entry.group, entry.block_hash)] = where
+                trace.evictions[where] += 1
 
         def lost(key):
             copies = queue._cached[key[0]].get(key[1]) if queue._cached else None
@@ -173,6 +177,8 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     print("tier 3's order: " + (", ".join(flips[:6]) or "LRU throughout")
           + (f", and {len(flips) - 6} more changes up to admission {trace.flips[-1][0]}" if len(flips) > 6 else ""))
     print("votes: " + (", ".join(f"{n} {what}" for what, n in trace.votes.most_common()) or "none"))
+    print("cached blocks evicted: " + (", ".join(f"{n} {where}" for where, n in trace.evictions.most_common())
+                                       or "none"))
     lost = sum(trace.lost_tokens.values())
     print(f"\nwhere the shadow's LRU hit was longer ({lost:,.0f} tokens in all), by where the blocks it used "
           "had gone:")
