@@ -83,10 +83,10 @@ EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 # Retention, tier 2, has the measurement that chose it).
 LAST_MESSAGE_TOKENS = 256
 
-# Tiers 1 and 2 are claims about the workload (no hit ends above those blocks; few do, fewer than on finished
-# chains), each checked against hits: withdrawn while more than one in DOUBT of the blocks it was made for
-# (about the last four pools' worth) were wanted again (docs/design.md, Retention, thirteenth and fourteenth
-# rounds).
+# Tiers 1 and 2 are claims about the workload (tier 1: no hit ends above those blocks; tier 2: fewer end there
+# than on finished chains), each checked against hits: withdrawn while more than one in DOUBT of the blocks it
+# was made for (about the last four pools' worth) were wanted again (docs/design.md, Retention, thirteenth
+# and fourteenth rounds).
 DOUBT = 20
 
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
