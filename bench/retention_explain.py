@@ -152,8 +152,15 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     kw = dict(step_tokens=d.chunk, max_running=d.concurrency)
     num_blocks = pool * len(windows) + 1
     swakv = R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout))
-    with Trace(swakv.mgr) as trace:
-        stats = R.serve(workload, swakv, **kw)
+    try:
+        with Trace(swakv.mgr) as trace:
+            stats = R.serve(workload, swakv, **kw)
+    except RuntimeError as exc:             # a request that fits nowhere: say which pools the grid runs
+        ceiling = R.SimAdapter(windows, None)
+        R.serve(workload, ceiling, **kw)
+        sizes = R.pool_sizes(workload, layout, windows, d.concurrency, len(ceiling.mgr.blocks) - 1)
+        sys.exit(f"{pool} blocks per group is too small for this cell ({exc}); the grid's pools for it: "
+                 f"{', '.join(map(str, sizes))}")
     lru = R.serve(workload, R.SimAdapter(windows, num_blocks, "lru"), **kw)
     floor = swakv.mgr.pool.free.floor
     print(f"seed {seed} draw {draw} (window {d.window}, {d.concurrency} running, chunk {d.chunk}): "
