@@ -1,0 +1,34 @@
+"""The retention bench's report (``bench/retention.py``): the losing cells and what each computed in all."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+import retention as bench  # noqa: E402
+
+
+def _rows(pool: int, hits: dict[str, float], computed: dict[str, int]) -> list[dict]:
+    base = dict(seed=7, draw=0, family="zipf", layout="sliding", drawn_window=128, window=128, concurrency=4,
+                chunk=256, workload_seed=1)
+    out = [dict(base, system="ceiling", pool_per_group=None, hit_rate=0.9)]
+    for system, hit in hits.items():
+        out.append(dict(base, system=system, pool_per_group=pool, hit_rate=hit, computed=computed[system]))
+    return out
+
+
+def test_a_losing_cell_says_how_many_tokens_it_computed_in_all_against_the_column_it_lost_to(capsys):
+    rows = (_rows(100, {"swakv": 0.006, "vllm-dense": 0.024, "vllm-sem": 0.005},
+                  {"swakv": 970, "vllm-dense": 1000, "vllm-sem": 2000})
+            + _rows(200, {"swakv": 0.30, "vllm-dense": 0.20, "vllm-sem": 0.40},
+                    {"swakv": 1100, "vllm-dense": 1200, "vllm-sem": 1000})
+            + _rows(400, {"swakv": 0.50, "vllm-dense": 0.50, "vllm-sem": 0.40},
+                    {"swakv": 900, "vllm-dense": 900, "vllm-sem": 950}))
+    counts = bench.report(rows)
+    out = capsys.readouterr().out
+    assert counts["losing"] == 2
+    assert "draw 0 zipf/sliding/100: swakv 0.006 < 0.024 - 0.005   computed 3.0% fewer tokens in all" in out
+    assert "draw 0 zipf/sliding/200: swakv 0.300 < 0.400 - 0.005   computed 10.0% more tokens in all" in out
+    assert "  of these, 1 computed fewer tokens in all than that column" in out
+    assert "zipf/sliding/400: swakv" not in out
