@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kvmanager.floor import Floor  # noqa: E402
-from kvmanager.free_queue import THRESHOLD, FreeQueue  # noqa: E402
+from kvmanager.free_queue import ANSWER, THRESHOLD, FreeQueue  # noqa: E402
 
 NEVER = "never evicted here"
 VOTES = {("remove", True): "hits on tier-3 batches older than tier 3 holds",
@@ -67,6 +67,8 @@ class Trace:
     def _where(self, entry) -> str:
         q, b = self.queue, entry.bin
         if b.batches is None:
+            if entry.claim == ANSWER:
+                return "tier 2 (an answer)"
             return {1: "tier 1 (unreachable)", 2: "tier 2 (speculative)"}.get(q._tiers.index(b), "tier 0")
         return {id(q._chains): "tier-3 chain", id(q._quick): "tier-3 quick chain"}.get(id(b.batches),
                                                                                       "tier-3 proven")

@@ -44,7 +44,7 @@ class Block:
         self.lru = None            # the free queue's LRU bin it waits in too (it holds a hash), or None
         self.due = 0               # tiers 1 and 2: cached units evicted by the time their order reaches it
         self.quick = False         # its last hit from tier 3 came within tier 3's volume (``free_queue``)
-        self.claim = 0             # the free queue's tier (1 or 2) whose claim covers it while free; 0: none
+        self.claim = 0             # the free queue's claim that covers it while free (tier 1, 2, ANSWER); 0: none
         self.pinned = False        # a host-tier copy of it is in flight: outside the free queue (``host_tier``)
 
     def __repr__(self) -> str:

@@ -270,7 +270,7 @@ class GroupCoordinator:
     def free(self, request: Request, preempted: bool = False) -> None:
         """Release every table of the request in one batch, group by group, each tail first, with the
         blocks a hit at a fork of its chain needs marked (full attention: every block below the deepest
-        fork; a window: the blocks below each fork)."""
+        fork; a window: the blocks below each fork), and those of its answer."""
         self.quiet.pop(request.request_id, None)
         forks = self.pool.free.forks
         fork_ends: dict[int, list[int]] = {}
@@ -280,7 +280,8 @@ class GroupCoordinator:
             if forks and bs not in fork_ends:
                 hashes = request.block_hashes(bs, 0)
                 fork_ends[bs] = [e for e, h in enumerate(hashes, 1) if h in forks]
-            freed += g.release(request, fork_ends.get(bs, ()))
+            answer_from = NEVER if preempted else len(request.prompt_token_ids) // bs
+            freed += g.release(request, fork_ends.get(bs, ()), answer_from)
         if freed:
             tier = self.pool.tier      # the host tier stores what a hit can still need first
             if tier is None:

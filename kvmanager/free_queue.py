@@ -21,6 +21,13 @@ lowest non-empty tier:
    last message (another question on the same document, an edited last turn) forks there. Evicting them
    before every finished chain is a claim too (such forks are rarer than follow-ups), checked the same way:
    where it fails (questions over retrieved documents come back to a document's end), they wait in tier 3.
+   A finished request's **answer** (its blocks wholly above its prompt's end: no resend hits them, only a
+   follow-up turn) waits here too while the answer claim holds: that follow-ups do not come (one-off
+   questions after shared documents or system prompts). Unlike the tiers' claims it starts in doubt, since
+   a follow-up only shows itself a session's turn later: an evicted answer no lookup wanted while two
+   pools' worth of cached units were evicted after it counts for it, a lookup whose chain goes on through
+   an evicted answer (or a hit on a free one) against it, and it holds while more than ``DOUBT`` times as
+   many count for it as against.
 3. **reusable**, in release batches: a finished request's **chain** (its trailing window, its full-attention
    blocks), which its follow-up turn needs; and, apart, blocks **proven** shared (below a fork of their
    chain, or of a preempted request, which comes back first).
@@ -78,6 +85,7 @@ from collections import OrderedDict, deque
 from .floor import Floor
 
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
+ANSWER = 3           # a claim, not a tier: a finished request's answer waits in tier 2 while it holds
 
 # How far below a prompt's end a later prompt's fork is plausible: a question or user message (docs/design.md,
 # Retention, tier 2, has the measurement that chose it).
@@ -150,11 +158,13 @@ class FreeQueue:
         self._reusable_units = 0      # units waiting in tier 3
         self._clock = 0               # units ever released into tier 3: a batch's age is clock - stamp
         self._evicted = 0             # cached units ever evicted (reused for new content), any tier
-        # Tiers 1 and 2's claims: blocks each was made for, and those wanted again (a hit took one back, or
-        # LRU's pool served one the tier had evicted: ``lost_block``); the evicted ones are remembered for that
-        self._claimed = [0, 0, 0]     # per tier (1, 2): blocks its claim was made for
-        self._wanted = [0, 0, 0]      # per tier: those wanted again
-        self._claim_gone: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # evicted -> its tier
+        # The claims (tiers 1 and 2, the answer claim): blocks each was made for, and those wanted again (a hit
+        # took one back, a lookup went on through an evicted answer, or LRU's pool served one the tier had
+        # evicted: ``lost_block``); the evicted ones are remembered for that
+        self._claimed = [0, 0, 0, 0]  # per claim (1, 2; ANSWER: answers evicted and not wanted since)
+        self._wanted = [0, 0, 0, 0]   # per claim: those wanted again
+        self._claim_gone: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # evicted -> its claim
+        self._answers_gone: OrderedDict[bytes, int] = OrderedDict()   # evicted answer -> cached units evicted then
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
         # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
         self._cap = max(16, 2 * len(units))
@@ -234,9 +244,25 @@ class FreeQueue:
             self._claimed[tier] //= 2
             self._wanted[tier] //= 2
 
+    def _answer_gone(self, block_hash: bytes) -> None:
+        """An answer was evicted. Those no lookup wanted while two pools' worth of cached units were evicted
+        after them (or that the record's bound pushes out) count for the answer claim."""
+        answers = self._answers_gone
+        answers[block_hash] = self._evicted
+        claimed, wanted, cap = self._claimed, self._wanted, self._cap
+        for old, at in answers.items():
+            if at + cap >= self._evicted and len(answers) <= cap:
+                break
+            del answers[old]
+            claimed[ANSWER] += 1
+            if claimed[ANSWER] > 2 * cap:
+                claimed[ANSWER] //= 2
+                wanted[ANSWER] //= 2
+            break           # one at a time: each eviction of an answer resolves at most one
+
     def lost_block(self, key: tuple[int, bytes]) -> None:
-        """LRU's pool served this block and the real one no longer held it: if tier 1 or 2 had evicted it, that
-        tier's claim was wrong."""
+        """LRU's pool served this block and the real one no longer held it: if a claim's block was evicted (tier
+        1's, 2's, an answer), that claim was wrong."""
         tier = self._claim_gone.pop(key, 0)
         if tier:
             copies = self._cached[key[0]].get(key[1]) if self._cached else None
@@ -245,13 +271,23 @@ class FreeQueue:
 
     def add_released(self, blocks, preempted: bool = False) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
-        by group, each tail first (so the head of a shared prefix goes last). ``proven``: below a fork."""
+        by group, each tail first (so the head of a shared prefix goes last). ``proven``: True below a fork;
+        None for its answer (wholly above its prompt's end, below no fork); False for the rest of its chain."""
         chain, proven = [], []
+        tiers = self._tiers
+        no_follow_ups = self._wanted[ANSWER] * DOUBT < self._claimed[ANSWER]
         for block, below_fork in blocks:
             if block.block_hash is None:
-                self._push(block, self._tiers[EMPTY])
+                self._push(block, tiers[EMPTY])
             elif preempted or below_fork:
                 proven.append(block)
+            elif below_fork is None and not block.shared:
+                block.claim = ANSWER
+                if no_follow_ups:
+                    block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
+                    self._push(block, tiers[SPECULATIVE])
+                else:
+                    chain.append(block)
             else:
                 chain.append(block)
         if chain or proven:
@@ -266,7 +302,7 @@ class FreeQueue:
 
     def remove(self, block) -> None:
         """A prefix hit takes a free block back. A hit on a tier-3 batch teaches the reuse distance; one on
-        a block tier 1's or 2's claim was made for, that the claim was wrong."""
+        a block a claim was made for (tier 1's, 2's, an answer's), that the claim was wrong."""
         b = block.bin
         if block.claim:
             self._wanted[block.claim] += 1
@@ -354,6 +390,15 @@ class FreeQueue:
         j = max(start, 1)
         if j >= limit:
             return
+        answers = self._answers_gone
+        if answers:                     # the request goes on through answers evicted: follow-ups do come
+            k = start
+            while k < limit and hash_at(k) not in answers:
+                k += 1
+            while k < limit and hash_at(k) in answers:
+                del answers[hash_at(k)]
+                self._wanted[ANSWER] += 1
+                k += 1
         parent = hash_at(j - 1)
         passed = []
         # The floor's evidence: the blocks plain LRU evicted from tier 3 in one run from the hit's end, by
@@ -612,6 +657,8 @@ class FreeQueue:
         if entry.claim:
             gone = self._claim_gone
             gone[(entry.group, entry.block_hash)] = entry.claim
+            if entry.claim == ANSWER:
+                self._answer_gone(entry.block_hash)
             entry.claim = 0
             if len(gone) > self._cap:
                 gone.popitem(last=False)

@@ -198,9 +198,11 @@ class KVCacheGroup:
         drop_at = self.spec.computed_to_reach((self._num_dropped[rid] + 1) * bs) if self.drops else NEVER
         return len(self.tables[rid]) * bs, cache_at, drop_at
 
-    def release(self, request: Request, fork_ends: list[int]) -> list[tuple[Block, bool]]:
+    def release(self, request: Request, fork_ends: list[int],
+                answer_from: int = NEVER) -> list[tuple[Block, bool | None]]:
         """Release a request's table; return the blocks no one holds any more, tail first, each with
-        whether a hit at one of the chain's forks (``fork_ends``, in blocks) needs it."""
+        whether a hit at one of the chain's forks (``fork_ends``, in blocks) needs it: True, or, from block
+        ``answer_from`` on (wholly above the prompt's end: only a follow-up hits them), None, else False."""
         rid = request.request_id
         table = self.tables.pop(rid, None)
         self._num_cached.pop(rid, None)
@@ -216,7 +218,8 @@ class KVCacheGroup:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                out.append((block, any(i in r for r in needed)))
+                below = any(i in r for r in needed)
+                out.append((block, None if i >= answer_from and not below else below))
         self.num_held -= len(out)
         return out
 

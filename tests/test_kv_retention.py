@@ -17,7 +17,7 @@ import pytest
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block, BlockPool
-from kvmanager.free_queue import DOUBT, THRESHOLD, FreeQueue
+from kvmanager.free_queue import ANSWER, DOUBT, THRESHOLD, FreeQueue
 
 from drivers import decode, ids, run_step
 
@@ -378,6 +378,48 @@ def test_a_block_tier_2_evicted_that_lrus_pool_then_served_counts_against_its_cl
     q.lost_block((-1, a[0].block_hash))                # LRU served what tier 2 evicted: 1 of 4, 20 > 4
     q.add_dropped(_blocks(30, 1, "y"), 0, (), {0})     # withdrawn: tier 3, after the chain
     assert q.ids() == [2, 3, 20, 10, 30]
+
+
+def test_an_answer_waits_in_its_chain_until_one_goes_unwanted_for_two_pools_then_first_until_a_lookup_wants_one():
+    # The answer claim (follow-ups do not come) starts in doubt: a follow-up shows itself only a turn later.
+    # An evicted answer no lookup wanted while two pools' worth (the queue's memory bound, 16 here) of cached
+    # units were evicted after it counts for it; a lookup whose chain goes on through an evicted answer
+    # counts against it; it holds while more than DOUBT times as many count for it as against.
+    q = FreeQueue([], (1,))
+    (a,) = _blocks(1, 1, "a")
+    q.add_released([(a, None)])                     # in doubt: tier 3, in its chain
+    others = _blocks(10, 16, "c")
+    _release(q, others)
+    assert q.take(0) == [a]                         # LRU order: the answer, released first, goes first
+    assert [q.take(0)[0] for _ in others] == others  # 16 cached units evicted after it
+    (b,) = _blocks(2, 1, "b")
+    q.add_released([(b, None)])                     # still in doubt: a was not resolved yet
+    (c,) = _blocks(30, 1, "c")
+    _release(q, [c])
+    assert q.take(0) == [b]                         # its eviction resolves a: 1 for, 0 against: holds
+    q.add_released([(_blocks(3, 1, "d")[0], None)])  # tier 2: before the older chain
+    assert q.ids() == [3, 30]
+    q.note_lookup([b"p", b.block_hash].__getitem__, 0, 2)   # a follow-up goes on through b: 1 against
+    q.add_released([(_blocks(4, 1, "e")[0], None)])  # 20 * 1 >= 1: in doubt again, tier 3 after c
+    assert q.ids() == [3, 30, 4]
+
+
+def test_a_finished_requests_blocks_wholly_above_its_prompts_end_are_its_answer():
+    # Prompt of 5 tokens, 4 sampled (the last never computed): blocks of 2 hold tokens 0-1, 2-3 (prompt),
+    # 4-5 (the prompt's last token and the answer's first) and 6-7. A resend of the prompt hits at most
+    # (5 - 1) // 2 = 2 blocks; blocks 2 and 3 only a follow-up hits: the answer claim is made for them.
+    mgr = KVCacheManager([FullAttention(block_size=2)], num_blocks=8)
+    r = Request("r", [1, 2, 3, 4, 5])
+    table = []
+    orig = mgr.coordinator.groups[0].release
+
+    def release(request, fork_ends, answer_from):
+        table.extend(mgr.coordinator.groups[0].tables[request.request_id])
+        return orig(request, fork_ends, answer_from)
+    mgr.coordinator.groups[0].release = release
+    serve(mgr, r, 5, output=[6, 7, 8, 9])
+    assert [b.claim for b in table] == [0, 0, ANSWER, ANSWER]
+    assert mgr.pool.free.ids() == [5, 6, 7, 4, 3, 2, 1]   # the never used, then (the claim in doubt) its chain
 
 
 # ---------------------------------------------------------------------------------------------------------
