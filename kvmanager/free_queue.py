@@ -21,8 +21,8 @@ lowest non-empty tier:
    last message (another question on the same document, an edited last turn) forks there. Evicting them
    before every finished chain is a claim too (such forks are rarer than follow-ups), checked the same way:
    where it fails (questions over retrieved documents come back to a document's end), they wait in tier 3.
-   A finished request's **answer** (its blocks wholly above its prompt's end: no resend hits them, only a
-   follow-up turn) waits here too while the answer claim holds: that follow-ups do not come (one-off
+   A finished request's **answer** (its blocks from the one its answer starts in: no resend of its prompt
+   hits them, only a follow-up turn) waits here too while the answer claim holds: that follow-ups do not come (one-off
    questions after shared documents or system prompts). Unlike the tiers' claims it starts in doubt, since
    a follow-up only shows itself a session's turn later: an evicted answer no lookup wanted while two
    pools' worth of cached units were evicted after it counts for it, a lookup whose chain goes on through
@@ -272,7 +272,8 @@ class FreeQueue:
     def add_released(self, blocks, preempted: bool = False) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
         by group, each tail first (so the head of a shared prefix goes last). ``proven``: True below a fork;
-        None for its answer (wholly above its prompt's end, below no fork); False for the rest of its chain."""
+        None for its answer (from the block its answer starts in, below no fork); False for the rest of its
+        chain."""
         chain, proven = [], []
         tiers = self._tiers
         no_follow_ups = self._wanted[ANSWER] * DOUBT < self._claimed[ANSWER]

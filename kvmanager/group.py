@@ -202,7 +202,8 @@ class KVCacheGroup:
                 answer_from: int = NEVER) -> list[tuple[Block, bool | None]]:
         """Release a request's table; return the blocks no one holds any more, tail first, each with
         whether a hit at one of the chain's forks (``fork_ends``, in blocks) needs it: True, or, from block
-        ``answer_from`` on (wholly above the prompt's end: only a follow-up hits them), None, else False."""
+        ``answer_from`` on (the block the answer starts in and after: only a follow-up hits them), None, else
+        False."""
         rid = request.request_id
         table = self.tables.pop(rid, None)
         self._num_cached.pop(rid, None)

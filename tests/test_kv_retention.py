@@ -404,7 +404,7 @@ def test_an_answer_waits_in_its_chain_until_one_goes_unwanted_for_two_pools_then
     assert q.ids() == [3, 30, 4]
 
 
-def test_a_finished_requests_blocks_wholly_above_its_prompts_end_are_its_answer():
+def test_a_finished_requests_blocks_from_the_one_its_answer_starts_in_are_its_answer():
     # Prompt of 5 tokens, 4 sampled (the last never computed): blocks of 2 hold tokens 0-1, 2-3 (prompt),
     # 4-5 (the prompt's last token and the answer's first) and 6-7. A resend of the prompt hits at most
     # (5 - 1) // 2 = 2 blocks; blocks 2 and 3 only a follow-up hits: the answer claim is made for them.
