@@ -564,8 +564,7 @@ def report(rows: list[dict]) -> dict:
             continue
         n_a += 1
         if sw["hit_rate"] < best - TOLERANCE:
-            columns = [by[k] for k in ((d, f, lay, p, s) for s in base) if by.get(k, {}).get("hit_rate") is not None]
-            winner = max(columns, key=lambda r: r["hit_rate"])
+            winner = by[(d, f, lay, p, base[vals.index(best)])]
             computed = ""
             if sw.get("computed") and winner.get("computed"):
                 more = sw["computed"] / winner["computed"] - 1

@@ -22,8 +22,8 @@ lowest non-empty tier:
    before every finished chain is a claim too (such forks are rarer than follow-ups), checked the same way:
    where it fails (questions over retrieved documents come back to a document's end), they wait in tier 3.
    A finished request's **answer** (its blocks from the one its answer starts in: no resend of its prompt
-   hits them, only a follow-up turn) waits here too while the answer claim holds: that follow-ups do not come (one-off
-   questions after shared documents or system prompts). Unlike the tiers' claims it starts in doubt, since
+   hits them, only a follow-up turn) waits here too while the answer claim holds: that follow-ups do not
+   come (one-off questions after shared documents or system prompts). Unlike the tiers' claims it starts in doubt, since
    a follow-up only shows itself a session's turn later: an evicted answer no lookup wanted while two
    pools' worth of cached units were evicted after it counts for it, a lookup whose chain goes on through
    an evicted answer (or a hit on a free one) against it, and it holds while more than ``DOUBT`` times as
@@ -249,16 +249,14 @@ class FreeQueue:
         after them (or that the record's bound pushes out) count for the answer claim."""
         answers = self._answers_gone
         answers[block_hash] = self._evicted
-        claimed, wanted, cap = self._claimed, self._wanted, self._cap
-        for old, at in answers.items():
-            if at + cap >= self._evicted and len(answers) <= cap:
-                break
-            del answers[old]
-            claimed[ANSWER] += 1
-            if claimed[ANSWER] > 2 * cap:
-                claimed[ANSWER] //= 2
-                wanted[ANSWER] //= 2
-            break           # one at a time: each eviction of an answer resolves at most one
+        cap = self._cap
+        oldest, at = next(iter(answers.items()))      # one at a time: each eviction resolves at most one
+        if at + cap < self._evicted or len(answers) > cap:
+            del answers[oldest]
+            self._claimed[ANSWER] += 1
+            if self._claimed[ANSWER] > 2 * cap:
+                self._claimed[ANSWER] //= 2
+                self._wanted[ANSWER] //= 2
 
     def lost_block(self, key: tuple[int, bytes]) -> None:
         """LRU's pool served this block and the real one no longer held it: if a claim's block was evicted (tier
@@ -396,8 +394,7 @@ class FreeQueue:
             k = start
             while k < limit and hash_at(k) not in answers:
                 k += 1
-            while k < limit and hash_at(k) in answers:
-                del answers[hash_at(k)]
+            while k < limit and answers.pop(hash_at(k), None) is not None:
                 self._wanted[ANSWER] += 1
                 k += 1
         parent = hash_at(j - 1)
