@@ -29,7 +29,7 @@ NULL_BLOCK_ID = 0
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru",
-                 "pinned", "due", "quick", "claim")
+                 "pinned", "due", "quick", "claim", "depth")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -45,6 +45,7 @@ class Block:
         self.due = 0               # tiers 1 and 2: cached units evicted by the time their order reaches it
         self.quick = False         # its last hit from tier 3 came within tier 3's volume (``free_queue``)
         self.claim = 0             # the free queue's claim that covers it while free (tier 1, 2, ANSWER); 0: none
+        self.depth = 0             # its index in the table it was filled for: deeper blocks of a chain need those above
         self.pinned = False        # a host-tier copy of it is in flight: outside the free queue (``host_tier``)
 
     def __repr__(self) -> str:
@@ -185,6 +186,9 @@ class BlockPool:
             self.free.learn(parent, block_hash)
         block.group = group
         block.block_hash = block_hash
+        block.depth = index
+        if self.free.frequency:
+            self.free.seen(block_hash)
         cached = self._cached[group]
         entry = cached.get(block_hash)
         if entry is None:

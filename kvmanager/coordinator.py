@@ -8,7 +8,7 @@ from math import lcm
 from .block_pool import Block, BlockPool
 from .group import KVCacheGroup
 from .request import Request
-from .specs import NEVER, AttentionSpec
+from .specs import NEVER, AttentionSpec, FullAttention
 
 
 class HitRule:
@@ -65,6 +65,9 @@ class GroupCoordinator:
     def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
         self.pool = pool
         self.groups = [KVCacheGroup(i, s, pool, enable_caching, w) for i, (s, w) in enumerate(zip(specs, pool.widths))]
+        # The frequency order (``free_queue``) ranks blocks by depth, which is a hit's cost only where every
+        # group needs the whole prefix
+        pool.free.frequency = all(isinstance(s, FullAttention) for s in specs) and set(pool.widths) == {1}
         self._dropping = [g for g in self.groups if g.drops]
         self.rule = HitRule(specs)
         self.alignment = self.rule.alignment
@@ -247,6 +250,9 @@ class GroupCoordinator:
         free = self.pool.free
         floor = free.floor
         lru_hit, request.lru_hit = request.lru_hit, -1
+        if free.frequency:
+            for bs in self._block_sizes:
+                free.referenced(request.block_hashes(bs))
         floor.admitted(hit, lru_hit, request.num_tokens)
         if lru_hit == hit:
             return

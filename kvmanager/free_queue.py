@@ -51,6 +51,17 @@ than chains-first would have cost chains' reuses (a chain hit after more proven 
 chain units waited ahead of it; a chain it evicted, missed, weighs two): where chains never come back
 (one-off questions after shared documents or system prompts) they make room for what does.
 
+**Full attention: the frequency order**, in doubt until shown. Where every group needs the whole prefix,
+a block's worth is the later prompts that contain its chain (a retrieved document's, a shared prompt's;
+not a one-off question's), and a deeper block is never worth more than one above it. So hashes cached
+are counted (later admissions whose prompts contained them; four pools' worth of hashes remembered) and,
+unless tier 3 evicts youngest-first, it may evict by class instead of by release (contained in no later
+prompt, in one, in ``REPEATED`` or more), the deepest block first in each, then the oldest. Ghosts tell
+the two apart: a lookup missing a block the release order evicted while a lower class waited votes for the
+frequency order; one missing a block the frequency order evicted that the release order would still hold
+(within tier 3's volume), two against. It acts while the votes are positive (they start at 0). Sliding
+groups are left out: their hits need the window at a chain's end, the deepest blocks.
+
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
 request's chain leaves it, that parent is a fork. Every memory (children, forks, ghosts) is bounded by
@@ -80,6 +91,7 @@ groups only, this is one order and exactly the policy above.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 
 from .floor import Floor
@@ -101,6 +113,7 @@ THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
 VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
 PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
 DISTANCES = 64       # reuse distances kept for the horizon
+REPEATED = 2         # the frequency order's classes: contained in no later prompt, in one, in REPEATED or more
 
 
 class Bin:
@@ -174,6 +187,14 @@ class FreeQueue:
         # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
+        # The frequency order (full attention only: ``frequency``, set by the coordinator): per hash seen, how
+        # many later admissions' prompts contained it; tier 3's entries in a heap by (class, deepest, oldest),
+        # lazily cleaned; and its duel with the release order, a saturating counter (starts in doubt, at 0)
+        self.frequency = False
+        self._counts: OrderedDict[bytes, int] = OrderedDict()
+        self._heap: list = []
+        self._frequency_votes = 0
+        self._by_frequency = False    # the entry being popped was chosen by the frequency order
         # Chains before proven blocks (while tier 3 is in LRU order): > 0 once lookups missed proven blocks
         # LRU's merged order evicted while chains waited more often than chains-first would have lost a
         # chain's reuse (a saturating counter, as ``_votes``)
@@ -381,6 +402,25 @@ class FreeQueue:
         elif parent not in self.forks:
             self._fork(parent)
 
+    def seen(self, block_hash: bytes) -> None:
+        """A block of this hash was cached (full attention only): counted from now on, at 0."""
+        counts = self._counts
+        if block_hash not in counts:
+            counts[block_hash] = 0
+            if len(counts) > 2 * self._cap:
+                counts.popitem(last=False)
+
+    def referenced(self, hashes) -> None:
+        """An admission's prompt (its block hashes, in order): each hash seen before counts once more. A chain
+        is a prefix, so the first hash never seen ends it."""
+        counts = self._counts
+        for h in hashes:
+            c = counts.get(h)
+            if c is None:
+                break
+            counts[h] = c + 1
+            counts.move_to_end(h)
+
     def note_lookup(self, hash_at, start: int, limit: int) -> None:
         """After a lookup that hit ``start`` blocks of a prompt with ``limit`` usable ones: follow the chain
         remembered past the hit. Where the request's chain leaves it, its parent is a fork; the deepest
@@ -440,11 +480,20 @@ class FreeQueue:
                     run = False
             j += 1
         if passed:                              # an evicted chain votes once (a request may be looked up
-            stamp, youngest, by_lru, _ = ghosts[passed[-1]]    # again and again while it waits)
-            sides = 0
+            stamp, youngest, by_lru, _, _ = ghosts[passed[-1]]    # again and again while it waits)
+            sides = by_count = 0
             for h in passed:
-                side = ghosts.pop(h)[3]
+                ghost = ghosts.pop(h)
+                side = ghost[3]
                 sides |= 1 if side > 0 else 2 if side < 0 else 0
+                if ghost[4] > 0:
+                    by_count |= 1
+                elif ghost[4] < 0 and self._clock - ghost[0] <= self._reusable_units:
+                    by_count |= 2           # the frequency order evicted it, the release order would still hold it
+            if by_count & 1:
+                self._frequency_votes = min(VOTE_CAP, self._frequency_votes + 1)
+            if by_count & 2:
+                self._frequency_votes = max(-VOTE_CAP, self._frequency_votes - PENALTY)
             if sides & 1:
                 self._tails = min(VOTE_CAP, self._tails + 1)        # chains first would have kept it
             if sides & 2:
@@ -522,6 +571,14 @@ class FreeQueue:
                     if b.loose:
                         return [self._pop(next(iter(b.loose.values())), b)]
                     break
+            else:
+                if self._frequency_first():
+                    entry = self._frequency_front()
+                    if entry is not None:
+                        self._by_frequency = True
+                        out = [self._pop(entry, entry.bin)]
+                        self._by_frequency = False
+                        return out
         lower: list[Bin] = []
         have = lower_loose = 0
         for b in self._bins():
@@ -619,6 +676,36 @@ class FreeQueue:
             yield p
             p = next(proven, None)
 
+    def _frequency_first(self) -> bool:
+        """Tier 3 follows the frequency order now (not below the floor, where LRU's order rules)."""
+        return (self._frequency_votes > 0 and self._votes < THRESHOLD and self.frequency
+                and not self.floor.follow_lru)
+
+    def _frequency_key(self, entry) -> int:
+        return min(REPEATED, self._counts.get(entry.block_hash, 0))
+
+    @staticmethod
+    def _live(item) -> bool:
+        """A heap item still stands for its entry: it waits in tier 3 since the push that made the item."""
+        _, _, order, entry = item
+        b = entry.bin
+        return (entry.order == order and b is not None and b.batches is not None
+                and b.loose.get(entry.block_id) is entry)
+
+    def _frequency_front(self):
+        """Tier 3's front in the frequency order, or None: the stale heap items above it are dropped, and one
+        whose class changed since it was pushed goes back in its place."""
+        heap = self._heap
+        while heap:
+            key, depth, order, entry = heap[0]
+            if not self._live(heap[0]):
+                heapq.heappop(heap)
+            elif (now := self._frequency_key(entry)) != key:
+                heapq.heapreplace(heap, (now, depth, order, entry))
+            else:
+                return entry
+        return None
+
     def _pop_empty(self, n: int) -> list:
         """The ``n`` front loose units of the empty tier: those pushed to its front, the never-used ones,
         those pushed to its back."""
@@ -675,7 +762,18 @@ class FreeQueue:
                         side = 1
                     elif not proven and self._tails > 0 and self._reusable_units > self._chain_units:
                         side = -1
-                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side)
+                # and whether the other of the release and frequency orders would have kept it: -1, the
+                # frequency order evicted it; 1, the release order did while a lower class waited
+                by_count = 0
+                if self.frequency and not self.floor.follow_lru and self._votes < THRESHOLD:
+                    if self._by_frequency:
+                        by_count = -1
+                    else:
+                        front = self._frequency_front()
+                        if front is not None and self._frequency_key(entry) > self._frequency_key(front):
+                            by_count = 1
+                ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side,
+                                            by_count)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
@@ -731,6 +829,12 @@ class FreeQueue:
             block.order = self._back
             self._back += 1
         block.bin = b
+        if self.frequency and b.batches is not None:
+            heap = self._heap
+            heapq.heappush(heap, (self._frequency_key(block), -block.depth, block.order, block))
+            if len(heap) > 2 * self._cap:           # stale items (blocks taken since) past a bound: rebuild
+                self._heap = [x for x in heap if self._live(x)]
+                heapq.heapify(self._heap)
         n = self._units_of_kind[block.kind]
         b.units += n
         self.num_free_units += n
@@ -740,8 +844,9 @@ class FreeQueue:
         """Every hash was dropped (``reset_prefix_cache``): every free entry holds nothing now; what was
         learnt from hashes (children, forks, ghosts) goes too."""
         entries = self.entries()
-        widths, cap = self.widths, self.floor.cap
+        widths, cap, frequency = self.widths, self.floor.cap, self.frequency
         self.__init__([], widths, self.last_message_tokens, self._cached, cap)
+        self.frequency = frequency
         empty = self._tiers[EMPTY]
         for e in entries:
             e.lru = None
@@ -753,11 +858,17 @@ class FreeQueue:
     def entries(self) -> list:
         """Every free entry (loose unit or composite) in eviction order, front first (tests, checks)."""
         out = []
+        by_frequency = self._frequency_first()
         for b in self._bins():
             if b is self._tiers[EMPTY] and self._never_at < len(self._never):
                 out += sorted(b.entries() + self._never[self._never_at:], key=lambda e: e.order)
+            elif b.batches is not None and by_frequency:
+                break
             else:
                 out += b.entries()
+        if by_frequency:
+            out += sorted((e for bins in (self._chains, self._quick, self._proven) for b in bins.values()
+                           for e in b.entries()), key=lambda e: (self._frequency_key(e), -e.depth, e.order))
         return out
 
     def ids(self) -> list[int]:

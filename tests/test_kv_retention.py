@@ -606,17 +606,86 @@ def test_a_chain_hit_after_lru_would_have_evicted_it_stays_among_the_young_chain
     assert q.ids() == [9, 11, 10]                   # youngest first: the chain just released goes first
 
 
+def _frequency_queue():
+    """Full attention, tier 3 in the merged order: a document's block (hash contained in two later prompts,
+    parent ``sys``) released at clock 1, a one-off question's at clock 2; the merged order evicts the
+    document first, while the question, of a lower class, waited. Returns the queue and both blocks."""
+    q = FreeQueue([], (1,))
+    q.frequency = True
+    (doc,), (question,) = _blocks(1, 1, "d"), _blocks(2, 1, "q")
+    q.seen(doc.block_hash)
+    q.seen(question.block_hash)
+    q.referenced([doc.block_hash, b"never cached", question.block_hash])   # a chain ends at its first
+    q.referenced([doc.block_hash])                                         # unseen hash
+    q.learn(b"sys", doc.block_hash)
+    _release(q, [doc])
+    _release(q, [question])
+    assert q.take(0) == [doc]                       # merged: the older front first
+    return q, doc, question
+
+
+def test_a_lookup_missing_a_block_the_merged_order_evicted_before_a_lower_class_turns_to_the_frequency_order():
+    # rag over full attention: documents come back in many prompts, the question tails never. The lookup
+    # through the document's ghost says the frequency order would have kept it: from then on tier 3 goes by
+    # class (hashes contained in no later prompt, in one, in two or more), the deepest block first in each
+    q, doc, question = _frequency_queue()
+    q.note_lookup([b"sys", doc.block_hash].__getitem__, 0, 2)
+    (doc2,), (tail,) = _blocks(3, 1, "d"), _blocks(4, 1, "t")
+    for b in (doc2, tail):
+        q.seen(b.block_hash)
+    q.referenced([doc2.block_hash])
+    tail.depth = 5                                  # deeper than the question: it goes first of class 0
+    _release(q, [doc2])                             # clock 3
+    _release(q, [tail])                             # clock 4
+    assert q.ids() == [4, 2, 3]                     # merged order (LRU) would be [2, 3, 4]
+    assert q.take(0) == [tail]
+
+
+def test_a_lookup_missing_a_block_the_frequency_order_evicted_that_the_merged_order_still_held_turns_it_back():
+    q, doc, question = _frequency_queue()
+    q.note_lookup([b"sys", doc.block_hash].__getitem__, 0, 2)      # the frequency order, as above
+    (tail,) = _blocks(3, 1, "t")
+    q.seen(tail.block_hash)
+    q.learn(b"turn", tail.block_hash)
+    tail.depth = 5
+    _release(q, [tail])                             # clock 3; the question waits from clock 2
+    assert q.take(0) == [tail]                      # class 0, the deepest first
+    # a follow-up wants it at distance 0, within what tier 3 holds: the merged order still held it
+    q.note_lookup([b"turn", tail.block_hash].__getitem__, 0, 2)
+    (doc2,) = _blocks(4, 1, "d")
+    q.seen(doc2.block_hash)
+    q.referenced([doc2.block_hash])
+    _release(q, [doc2])                             # clock 4
+    assert q.ids() == [2, 4]                        # merged (LRU) again; frequency would give the same
+    (doc3,) = _blocks(5, 1, "d")
+    q.seen(doc3.block_hash)
+    q.referenced([doc3.block_hash])
+    q.referenced([doc3.block_hash])
+    question2, = _blocks(6, 1, "q")
+    q.seen(question2.block_hash)
+    _release(q, [doc3])                             # clock 5
+    _release(q, [question2])                        # clock 6
+    assert q.ids() == [2, 4, 5, 6]                  # by release, not by class (frequency: [2, 6, 4, 5])
+
+
+def test_only_models_whose_every_group_needs_the_whole_prefix_keep_counts_for_the_frequency_order():
+    full = KVCacheManager([FullAttention(16)], num_blocks=64)
+    hybrid = KVCacheManager([FullAttention(16), SlidingWindow(16, 128)], num_blocks=64)
+    assert (full.pool.free.frequency, hybrid.pool.free.frequency) == (True, False)
+
+
 def test_zipf_sessions_hot_chains_outlive_the_young_ones_and_the_manager_gets_three_times_lrus_hits():
     # The retention bench's zipf family, small: 24 sessions with Zipf popularity, 160 turns, 4 running,
     # full attention, 800 blocks. LRU (the bench's simulator, vLLM 0.33 dense's order) thrashes on the
     # tail; tier 3 turns to youngest-first, and the hot sessions' chains, quick, wait after the young ones.
-    # Before the quick mark (commit 033567f) the manager got 86,736 hit tokens here.
+    # Before the quick mark (commit 033567f) the manager got 86,736 hit tokens here; before the frequency
+    # order (full attention: blocks no later prompt contained go first), 91,344.
     trace = zipf(0, requests=160, sessions=24, restart=3000, first=(100, 400), message=(30, 200),
                  answer=(30, 200))
     swakv = bench.serve(trace, bench.SwakvAdapter((None,), 801), step_tokens=512, max_running=4)
     lru = bench.serve(trace, bench.SimAdapter((None,), 801, "lru"), step_tokens=512, max_running=4)
     assert swakv["prompt_tokens"] == lru["prompt_tokens"] == 185_715
-    assert (swakv["hit_tokens"], lru["hit_tokens"]) == (91_344, 29_760)
+    assert (swakv["hit_tokens"], lru["hit_tokens"]) == (95_296, 29_760)
 
 
 # ---------------------------------------------------------------------------------------------------------
