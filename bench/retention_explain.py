@@ -8,7 +8,8 @@ a ``Trace`` attached to swakv's manager, and prints:
   on swakv's schedule): where those two LRU figures differ, the floor cannot see the whole gap;
 - the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
 - a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
-  in force (the tiers with tier 3 in LRU order, youngest-first, or LRU below the floor);
+  in force (the tiers with tier 3 in LRU order, or by count on full attention, youngest-first, or LRU below
+  the floor);
 - when tier 3 turned youngest-first and back, and which votes did it;
 - the cached blocks evicted, by where each waited and the order in force then;
 - every admission where the shadow's LRU hit was longer: its lost tokens, shared among the blocks LRU's
@@ -62,7 +63,9 @@ class Trace:
         q = self.queue
         if q.floor.follow_lru:
             return "LRU below the floor"
-        return "youngest-first" if q._votes >= THRESHOLD else "tiers"
+        if q._votes >= THRESHOLD:
+            return "youngest-first"
+        return "tiers, tier 3 by count" if q._frequency_first() else "tiers"
 
     def _where(self, entry) -> str:
         q, b = self.queue, entry.bin
