@@ -607,8 +607,8 @@ def test_a_chain_hit_after_lru_would_have_evicted_it_stays_among_the_young_chain
 
 
 def _frequency_queue():
-    """Full attention, tier 3 in the merged order: a document's block (hash contained in two later prompts,
-    parent ``sys``) released at clock 1, a one-off question's at clock 2; the merged order evicts the
+    """Full attention, tier 3 in the release order: a document's block (hash contained in two later prompts,
+    parent ``sys``) released at clock 1, a one-off question's at clock 2; the release order evicts the
     document first, while the question, of a lower class, waited. Returns the queue and both blocks."""
     q = FreeQueue([], (1,))
     q.frequency = True
@@ -620,11 +620,11 @@ def _frequency_queue():
     q.learn(b"sys", doc.block_hash)
     _release(q, [doc])
     _release(q, [question])
-    assert q.take(0) == [doc]                       # merged: the older front first
+    assert q.take(0) == [doc]                       # by release: the older front first
     return q, doc, question
 
 
-def test_a_lookup_missing_a_block_the_merged_order_evicted_before_a_lower_class_turns_to_the_frequency_order():
+def test_a_lookup_missing_a_block_the_release_order_evicted_before_a_lower_class_turns_to_the_frequency_order():
     # rag over full attention: documents come back in many prompts, the question tails never. The lookup
     # through the document's ghost says the frequency order would have kept it: from then on tier 3 goes by
     # class (hashes contained in no later prompt, in one, in two or more), the deepest block first in each
@@ -635,13 +635,14 @@ def test_a_lookup_missing_a_block_the_merged_order_evicted_before_a_lower_class_
         q.seen(b.block_hash)
     q.referenced([doc2.block_hash])
     tail.depth = 5                                  # deeper than the question: it goes first of class 0
+    doc2.depth = 3                                  # (had the question counted once, it would go after doc2)
     _release(q, [doc2])                             # clock 3
     _release(q, [tail])                             # clock 4
-    assert q.ids() == [4, 2, 3]                     # merged order (LRU) would be [2, 3, 4]
+    assert q.ids() == [4, 2, 3]                     # by release (LRU) it would be [2, 3, 4]
     assert q.take(0) == [tail]
 
 
-def test_a_lookup_missing_a_block_the_frequency_order_evicted_that_the_merged_order_still_held_turns_it_back():
+def test_a_lookup_missing_a_block_the_frequency_order_evicted_that_the_release_order_still_held_turns_it_back():
     q, doc, question = _frequency_queue()
     q.note_lookup([b"sys", doc.block_hash].__getitem__, 0, 2)      # the frequency order, as above
     (tail,) = _blocks(3, 1, "t")
@@ -650,13 +651,13 @@ def test_a_lookup_missing_a_block_the_frequency_order_evicted_that_the_merged_or
     tail.depth = 5
     _release(q, [tail])                             # clock 3; the question waits from clock 2
     assert q.take(0) == [tail]                      # class 0, the deepest first
-    # a follow-up wants it at distance 0, within what tier 3 holds: the merged order still held it
+    # a follow-up wants it at distance 0, within what tier 3 holds: the release order still held it
     q.note_lookup([b"turn", tail.block_hash].__getitem__, 0, 2)
     (doc2,) = _blocks(4, 1, "d")
     q.seen(doc2.block_hash)
     q.referenced([doc2.block_hash])
     _release(q, [doc2])                             # clock 4
-    assert q.ids() == [2, 4]                        # merged (LRU) again; frequency would give the same
+    assert q.ids() == [2, 4]                        # by release (LRU) again; frequency would give the same
     (doc3,) = _blocks(5, 1, "d")
     q.seen(doc3.block_hash)
     q.referenced([doc3.block_hash])
