@@ -83,11 +83,11 @@ class Trace:
         def wrap(cls, name, before=None, after=None):
             original = getattr(cls, name)
 
-            def method(obj, *args):
+            def method(obj, *args, **kwargs):
                 mine = obj is queue or obj is floor
                 if mine and before:
                     before(*args)
-                out = original(obj, *args)
+                out = original(obj, *args, **kwargs)
                 if mine and after:
                     after(*args)
                 return out

@@ -194,7 +194,6 @@ class FreeQueue:
         self._counts: OrderedDict[bytes, int] = OrderedDict()
         self._heap: list = []
         self._frequency_votes = 0
-        self._by_frequency = False    # the entry being popped was chosen by the frequency order
         # Chains before proven blocks (while tier 3 is in LRU order): > 0 once lookups missed proven blocks
         # LRU's merged order evicted while chains waited more often than chains-first would have lost a
         # chain's reuse (a saturating counter, as ``_votes``)
@@ -575,10 +574,7 @@ class FreeQueue:
                 if self._frequency_first():
                     entry = self._frequency_front()
                     if entry is not None:
-                        self._by_frequency = True
-                        out = [self._pop(entry, entry.bin)]
-                        self._by_frequency = False
-                        return out
+                        return [self._pop(entry, entry.bin, by_frequency=True)]
         lower: list[Bin] = []
         have = lower_loose = 0
         for b in self._bins():
@@ -684,6 +680,10 @@ class FreeQueue:
     def _frequency_key(self, entry) -> int:
         return min(REPEATED, self._counts.get(entry.block_hash, 0))
 
+    def _frequency_rank(self, entry) -> tuple[int, int, int]:
+        """Its place in the frequency order: class, then the deepest, then the oldest."""
+        return self._frequency_key(entry), -entry.depth, entry.order
+
     @staticmethod
     def _live(item) -> bool:
         """A heap item still stands for its entry: it waits in tier 3 since the push that made the item."""
@@ -737,8 +737,9 @@ class FreeQueue:
                 loose.move_to_end(e.block_id)
         self._never, self._never_ids, self._never_at = [], [], 0
 
-    def _pop(self, entry, b: Bin):
-        """Take ``entry`` (visited in bin ``b``) for new content (a tier-3 entry with a hash leaves a ghost)."""
+    def _pop(self, entry, b: Bin, by_frequency: bool = False):
+        """Take ``entry`` (visited in bin ``b``; ``by_frequency``: chosen by the frequency order) for new
+        content (a tier-3 entry with a hash leaves a ghost)."""
         if entry.claim:
             gone = self._claim_gone
             gone[(entry.group, entry.block_hash)] = entry.claim
@@ -766,7 +767,7 @@ class FreeQueue:
                 # frequency order evicted it; 1, the release order did while a lower class waited
                 by_count = 0
                 if self.frequency and not self.floor.follow_lru and self._votes < THRESHOLD:
-                    if self._by_frequency:
+                    if by_frequency:
                         by_count = -1
                     else:
                         front = self._frequency_front()
@@ -831,7 +832,7 @@ class FreeQueue:
         block.bin = b
         if self.frequency and b.batches is not None:
             heap = self._heap
-            heapq.heappush(heap, (self._frequency_key(block), -block.depth, block.order, block))
+            heapq.heappush(heap, (*self._frequency_rank(block), block))
             if len(heap) > 2 * self._cap:           # stale items (blocks taken since) past a bound: rebuild
                 self._heap = [x for x in heap if self._live(x)]
                 heapq.heapify(self._heap)
@@ -868,7 +869,7 @@ class FreeQueue:
                 out += b.entries()
         if by_frequency:
             out += sorted((e for bins in (self._chains, self._quick, self._proven) for b in bins.values()
-                           for e in b.entries()), key=lambda e: (self._frequency_key(e), -e.depth, e.order))
+                           for e in b.entries()), key=self._frequency_rank)
         return out
 
     def ids(self) -> list[int]:
