@@ -42,7 +42,9 @@ admissions at which its free queue followed plain LRU (``kvmanager/floor.py``). 
 each with the tokens it computed in all (prefill, decode, a preempted request's recomputation) against the
 column it lost to, as the hit rate counts first admissions only; the issue's counts (for each tight-pool
 miss: whether its target is above the clairvoyant heuristic, and above the bound), and the gap to the
-clairvoyant heuristic per family. Without vLLM (run with the main interpreter) the vLLM columns are
+clairvoyant heuristic per family. Rows of several seeds (``--report-from`` over their files) make one
+report: each cell named by its seed, the counts summed, and a table of losing cells and tight-pool targets
+by family and layout. Without vLLM (run with the main interpreter) the vLLM columns are
 replaced by the simulated LRU (``sim:lru``: vLLM dense's order), and the table says so.
 
     PYTHONPATH=$PWD /tmp/vllm-venv/bin/python bench/retention.py --jsonl out.jsonl    # a fresh draw
@@ -51,6 +53,7 @@ replaced by the simulated LRU (``sim:lru``: vLLM dense's order), and the table s
     python bench/retention.py --report-from out.jsonl                                # print again
     python bench/retention.py --seed 1234 --draw 1 --families zipf --layouts hybrid --systems swakv \
         --jsonl mine.jsonl && python bench/retention.py --report-from out.jsonl,mine.jsonl  # one cell again
+    python bench/retention.py --report-from a.jsonl,b.jsonl   # two seeds' grids: one report, counts summed
     python bench/retention.py --oracle               # tiny instances against the exhaustive best
 
 ``--oracle`` runs tiny instances of chat, siblings and agent and searches every eviction choice for the
@@ -513,45 +516,52 @@ def _fmt(v, width=9, digits=3) -> str:
 
 
 def report(rows: list[dict]) -> dict:
-    """Every cell side by side, the losing cells, the issue's counts, the gap to the clairvoyant policy."""
-    by = {(r["draw"], r["family"], r["layout"], r["pool_per_group"], r["system"]): r for r in rows}
+    """Every cell side by side, the losing cells, the issue's counts, the gap to the clairvoyant policy; over
+    several seeds' rows, each cell named by its seed too and the counts summed over all of them."""
+    by = {(r.get("seed"), r["draw"], r["family"], r["layout"], r["pool_per_group"], r["system"]): r for r in rows}
     systems = set(r["system"] for r in rows)
     base = [s for s in ("vllm-dense", "vllm-sem") if s in systems] or (["sim:lru"] if "sim:lru" in systems else [])
     names = {"vllm-dense": "vLLM dense", "vllm-sem": "vLLM sem.", "sim:lru": "LRU (sim)"}
     seeds = sorted({r.get("seed") for r in rows}, key=str)
+    several = len(seeds) > 1
     print(f"\nseed {', '.join(map(str, seeds))} (replay: --seed {seeds[0]}); hit rate = prefix-cache hit tokens / "
           f"prompt tokens at first admissions; block {BLOCK}; blocks = pool per group")
+
+    def name(seed, d) -> str:
+        return f"seed {seed} draw {d}" if several else f"draw {d}"
     if "vllm-dense" not in systems:
         print("vLLM 0.33 is not importable here: its columns are replaced by the simulated LRU (vLLM dense's "
               "order); run with /tmp/vllm-venv/bin/python for the real baseline")
-    for d in sorted({r["draw"] for r in rows}):
-        r0 = next(r for r in rows if r["draw"] == d)
-        print(f"draw {d}: window {r0.get('drawn_window', '?')} (sliding, hybrid; gemma3 keeps its own 1024), concurrency "
+    for seed, d in sorted({(r.get("seed"), r["draw"]) for r in rows}, key=lambda k: (str(k[0]), k[1])):
+        r0 = next(r for r in rows if r["draw"] == d and r.get("seed") == seed)
+        print(f"{name(seed, d)}: window {r0.get('drawn_window', '?')} (sliding, hybrid; gemma3 keeps its own 1024), concurrency "
               f"{r0['concurrency']}, chunk {r0['chunk']}, workload seed {r0['workload_seed']}")
-    head = (f"{'draw':>4} {'family':<9}{'layout':<8}{'W':>5}{'blocks':>8}{'ceiling':>9}"
+    head = (("      seed" if several else "") + f"{'draw':>4} {'family':<9}{'layout':<8}{'W':>5}{'blocks':>8}{'ceiling':>9}"
             + "".join(f"{names[s]:>12}" for s in base) + f"{'swakv':>9}{'/ best':>9}{'clairv.*':>9}{'bound':>7}{'floor':>7}")
     print("(clairv.*: a clairvoyant heuristic, Belady on the unbounded run's hits: a reference, not an upper bound)")
     print("(bound: retention_bound on swakv's own schedule, full-attention layouts: the most hit tokens any "
           "policy gets with the same admission and finish times)")
     print(head)
     fam, lays = list(FAMILIES), list(LAYOUTS)
-    cells = sorted(((r["draw"], r["family"], r["layout"], r["pool_per_group"]) for r in rows if r["system"] == "swakv"),
-                   key=lambda c: (c[0], fam.index(c[1]), lays.index(c[2]), c[3]))
+    cells = sorted(((r.get("seed"), r["draw"], r["family"], r["layout"], r["pool_per_group"]) for r in rows
+                    if r["system"] == "swakv"),
+                   key=lambda c: (str(c[0]), c[1], fam.index(c[2]), lays.index(c[3]), c[4]))
     pools_of: dict = {}
-    for d, f, lay, p in cells:
-        pools_of.setdefault((d, f, lay), []).append(p)
+    for seed, d, f, lay, p in cells:
+        pools_of.setdefault((seed, d, f, lay), []).append(p)
+    tally: dict = {}       # (family, layout) -> [cells, losing, targets, met]
     losing, goal_b, short_b, errors = [], 0, [], []
     fewer_computed = 0
     n_a = 0
     gaps: dict = {}
-    for d, f, lay, p in cells:
-        sw = by[(d, f, lay, p, "swakv")]
-        ceil = by[(d, f, lay, None, "ceiling")]["hit_rate"]
-        vals = [by.get((d, f, lay, p, s), {}).get("hit_rate") for s in base]
+    for seed, d, f, lay, p in cells:
+        sw = by[(seed, d, f, lay, p, "swakv")]
+        ceil = by[(seed, d, f, lay, None, "ceiling")]["hit_rate"]
+        vals = [by.get((seed, d, f, lay, p, s), {}).get("hit_rate") for s in base]
         best = max((v for v in vals if v is not None), default=None)
-        cl = by.get((d, f, lay, p, "clairvoyant"), {}).get("hit_rate")
+        cl = by.get((seed, d, f, lay, p, "clairvoyant"), {}).get("hit_rate")
         floor = sw.get("floor", {})
-        line = (f"{d:>4} {f:<9}{lay:<8}{sw['window'] or '-':>5}{p:>8}{_fmt(ceil)}" + "".join(_fmt(v, 12) for v in vals)
+        line = (f"{seed:>10}" if several else "") + (f"{d:>4} {f:<9}{lay:<8}{sw['window'] or '-':>5}{p:>8}{_fmt(ceil)}" + "".join(_fmt(v, 12) for v in vals)
                 + _fmt(sw.get("hit_rate")))
         ratio = None
         if best is not None and sw.get("hit_rate") is not None:
@@ -560,25 +570,30 @@ def report(rows: list[dict]) -> dict:
         line += _fmt(cl) + _fmt(sw.get("bound"), 7) + (f"{floor.get('lru_share', 0):>7.2f}" if floor else f"{'-':>7}")
         print(line)
         if sw.get("hit_rate") is None or best is None:
-            errors.append(f"{d}/{f}/{lay}/{p}: {sw.get('error') or 'no baseline'}")
+            errors.append(f"{name(seed, d)} {f}/{lay}/{p}: {sw.get('error') or 'no baseline'}")
             continue
         n_a += 1
+        t = tally.setdefault((f, lay), [0, 0, 0, 0])
+        t[0] += 1
         if sw["hit_rate"] < best - TOLERANCE:
-            winner = by[(d, f, lay, p, base[vals.index(best)])]
+            t[1] += 1
+            winner = by[(seed, d, f, lay, p, base[vals.index(best)])]
             computed = ""
             if sw.get("computed") and winner.get("computed"):
                 more = sw["computed"] / winner["computed"] - 1
                 fewer_computed += more < 0
                 computed = f"   computed {abs(more):.1%} {'more' if more >= 0 else 'fewer'} tokens in all"
-            losing.append(f"draw {d} {f}/{lay}/{p}: swakv {sw['hit_rate']:.3f} < {best:.3f} - {TOLERANCE}"
+            losing.append(f"{name(seed, d)} {f}/{lay}/{p}: swakv {sw['hit_rate']:.3f} < {best:.3f} - {TOLERANCE}"
                           + computed)
-        if f in GOAL_FAMILIES and p in sorted(pools_of[(d, f, lay)])[:2]:
+        if f in GOAL_FAMILIES and p in sorted(pools_of[(seed, d, f, lay)])[:2]:
             target = min(1.10 * best, ceil)
+            t[2] += 1
             if sw["hit_rate"] >= target - 1e-9:
                 goal_b += 1
+                t[3] += 1
             else:
                 ub = sw.get("bound")
-                short_b.append((f"draw {d} {f}/{lay}/{p}: {sw['hit_rate']:.3f} < {target:.3f}"
+                short_b.append((f"{name(seed, d)} {f}/{lay}/{p}: {sw['hit_rate']:.3f} < {target:.3f}"
                                 + (f"   clairv.* {cl:.3f}" if cl is not None else "")
                                 + (f"   bound {ub:.3f}" if ub is not None else ""),
                                 None if cl is None else target > cl + 1e-9,
@@ -604,13 +619,23 @@ def report(rows: list[dict]) -> dict:
           f"{len(above_cl)} with one (single-group)")
     print(f"  of these misses, target above the bound on swakv's own schedule (retention_bound: no policy "
           f"with that schedule reaches it): {sum(above_ub)} of {len(above_ub)} with one (full attention, hybrid)")
+    if several:
+        print("\nby family and layout, over every seed: losing cells / cells; two tightest pools' targets met / "
+              "targets")
+        print(f"  {'':<9}" + "".join(f"{lay:>16}" for lay in lays if any(k[1] == lay for k in tally)))
+        for f in fam:
+            if any(k[0] == f for k in tally):
+                print(f"  {f:<9}" + "".join(
+                    f"{f'{t[1]}/{t[0]}' + (f'; {t[3]}/{t[2]}' if t[2] else ''):>16}"
+                    for lay in lays if any(k[1] == lay for k in tally)
+                    for t in [tally.get((f, lay), [0, 0, 0, 0])]))
     if errors:
         print(f"cells that did not run: {len(errors)}")
         for x in errors:
             print("  " + x)
     if "sim:lru" in systems and "vllm-dense" in systems:
-        pairs = [(by[k[:4] + ("sim:lru",)], by[k[:4] + ("vllm-dense",)]) for k in by if k[4] == "vllm-dense"
-                 and k[:4] + ("sim:lru",) in by]
+        pairs = [(by[k[:5] + ("sim:lru",)], by[k[:5] + ("vllm-dense",)]) for k in by if k[5] == "vllm-dense"
+                 and k[:5] + ("sim:lru",) in by]
         same = sum(a.get("hit_tokens") == b.get("hit_tokens") for a, b in pairs)
         print(f"\nsimulated LRU (retention_sim.Lru) equals vLLM dense, hit token for hit token, in {same} of "
               f"{len(pairs)} cells")
@@ -777,7 +802,8 @@ def main() -> None:
                 for line in f:
                     if line.strip():
                         r = json.loads(line)
-                        merged[(r["draw"], r["family"], r["layout"], r["pool_per_group"], r["system"])] = r
+                        merged[(r.get("seed"), r["draw"], r["family"], r["layout"], r["pool_per_group"],
+                                r["system"])] = r
         report(list(merged.values()))
         return
     if args.seed is None:

@@ -9,8 +9,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import retention as bench  # noqa: E402
 
 
-def _rows(pool: int, hits: dict[str, float], computed: dict[str, int]) -> list[dict]:
-    base = dict(seed=7, draw=0, family="zipf", layout="sliding", drawn_window=128, window=128, concurrency=4,
+def _rows(pool: int, hits: dict[str, float], computed: dict[str, int], seed: int = 7) -> list[dict]:
+    base = dict(seed=seed, draw=0, family="zipf", layout="sliding", drawn_window=128, window=128, concurrency=4,
                 chunk=256, workload_seed=1)
     out = [dict(base, system="ceiling", pool_per_group=None, hit_rate=0.9)]
     for system, hit in hits.items():
@@ -32,3 +32,18 @@ def test_a_losing_cell_says_how_many_tokens_it_computed_in_all_against_the_colum
     assert "draw 0 zipf/sliding/200: swakv 0.300 < 0.400 - 0.005   computed 10.0% more tokens in all" in out
     assert "  of these, 1 computed fewer tokens in all than that column" in out
     assert "zipf/sliding/400: swakv" not in out
+
+
+def test_two_seeds_with_the_same_draw_and_pools_are_counted_apart_and_named_by_their_seed(capsys):
+    """Each seed's draw 0 has the same cell names; a report over both keeps both and sums the counts."""
+    computed = {"swakv": 1000, "vllm-dense": 1000, "vllm-sem": 1000}
+    rows = (_rows(100, {"swakv": 0.30, "vllm-dense": 0.40, "vllm-sem": 0.20}, computed, seed=7)
+            + _rows(100, {"swakv": 0.50, "vllm-dense": 0.40, "vllm-sem": 0.20}, computed, seed=8)
+            + _rows(200, {"swakv": 0.60, "vllm-dense": 0.50, "vllm-sem": 0.20}, computed, seed=8))
+    counts = bench.report(rows)
+    out = capsys.readouterr().out
+    assert counts == {"cells": 3, "losing": 1, "goal_b": 0, "n_b": 0}
+    assert "seed 7 draw 0 zipf/sliding/100: swakv 0.300 < 0.400 - 0.005" in out
+    assert "seed 8 draw 0 zipf/sliding/100: swakv" not in out
+    table = out[out.index("by family and layout"):].splitlines()
+    assert table[1].split() == ["sliding"] and table[2].split() == ["zipf", "1/3"]    # 1 losing cell of 3
