@@ -53,6 +53,32 @@ EVENT = 'data: {"id":"x","object":"text_completion","created":0,"model":"m","cho
         '"logprobs":null,"token_ids":[%d],"finish_reason":null}]}\n\n'
 
 
+async def own_events(n: int):
+    """``n`` made-up tokens as SSE events, made where the HTTP side runs."""
+    for i in range(n):
+        yield EVENT % i
+        await asyncio.sleep(0)
+    yield "data: [DONE]\n\n"
+
+
+async def fanout_events(queue: asyncio.Queue, coalesce: bool, close):
+    """One stream's SSE events from the step records fanned out to its ``queue`` (True: its last token); with
+    ``coalesce``, an event carries every token queued for it. ``close`` runs when the stream ends."""
+    i, done = 0, False
+    try:
+        while not done:
+            done = await queue.get()
+            count = 1
+            while coalesce and not done and not queue.empty():
+                done = queue.get_nowait()
+                count += 1
+            yield EVENT_MANY % ",".join(str(i + j) for j in range(count))
+            i += count
+        yield "data: [DONE]\n\n"
+    finally:
+        close()
+
+
 def summarise(starts: list[float], times: list[list[float]], wall: float, cpu: float,
               tokens: list[int] | None = None) -> dict:
     """``times``: each stream's event arrivals; ``tokens``: each stream's tokens (default: one per event).
@@ -122,13 +148,7 @@ class Hops:
     @app.post("/own")
     async def own(self, request: Request):
         n = (await request.json())["n"]
-
-        async def events():
-            for i in range(n):
-                yield EVENT % i
-                await asyncio.sleep(0)
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(own_events(n), media_type="text/event-stream")
 
     @app.post("/relay")
     async def relay(self, request: Request):
@@ -152,22 +172,8 @@ class Hops:
         sid = uuid.uuid4().hex
         queue = self.queues[sid] = asyncio.Queue()
         await self.producer.add.remote(sid, n)
-
-        async def events():
-            i, done = 0, False
-            try:
-                while not done:
-                    done = await queue.get()
-                    count = 1
-                    while coalesce and not done and not queue.empty():
-                        done = queue.get_nowait()
-                        count += 1
-                    yield EVENT_MANY % ",".join(str(i + j) for j in range(count))
-                    i += count
-                yield "data: [DONE]\n\n"
-            finally:
-                self.queues.pop(sid, None)
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(fanout_events(queue, coalesce, lambda: self.queues.pop(sid, None)),
+                                 media_type="text/event-stream")
 
     async def _follow(self):
         async for ref in self.producer.subscribe.options(num_returns="streaming").remote():
@@ -202,13 +208,7 @@ class HttpActor:
         @local.post("/own")
         async def own(request: Request):
             n = (await request.json())["n"]
-
-            async def events():
-                for i in range(n):
-                    yield EVENT % i
-                    await asyncio.sleep(0)
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(own_events(n), media_type="text/event-stream")
 
         @local.post("/fanout")
         async def fanout(request: Request):
@@ -217,22 +217,8 @@ class HttpActor:
             sid = uuid.uuid4().hex
             queue = queues[sid] = asyncio.Queue()
             await producer.add(sid, n)
-
-            async def events():
-                i, done = 0, False
-                try:
-                    while not done:
-                        done = await queue.get()
-                        count = 1
-                        while coalesce and not done and not queue.empty():
-                            done = queue.get_nowait()
-                            count += 1
-                        yield EVENT_MANY % ",".join(str(i + j) for j in range(count))
-                        i += count
-                    yield "data: [DONE]\n\n"
-                finally:
-                    queues.pop(sid, None)
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(fanout_events(queue, coalesce, lambda: queues.pop(sid, None)),
+                                     media_type="text/event-stream")
 
         self.follower = asyncio.get_running_loop().create_task(follow())
         config = uvicorn.Config(local, host="127.0.0.1", port=port, log_level="warning", access_log=False)
