@@ -76,40 +76,33 @@ def _stop(*procs) -> None:
         p.join(10)
 
 
-def test_three_readers_in_other_processes_get_every_message_in_order_across_wraps_and_fragments():
-    rng = random.Random(7)
-    messages = [rng.randbytes(rng.choice([0, 1, 8, 1023, 1024, 1025, rng.randrange(3 * 1024)])) for _ in range(300)]
+def _broadcast(messages: list[bytes], readers: int, slot_bytes: int) -> dict[int, list]:
+    """Send ``messages`` through a 4-slot ring to ``readers`` reader processes: each one's digests, by reader."""
     out = CTX.Queue()
-    with ShmBroadcast(3, slots=4, slot_bytes=1024, poll_s=0.05) as writer:
-        readers = [CTX.Process(target=_collect, args=(writer.handle, i, len(messages), out)) for i in range(3)]
-        for p in readers:
+    with ShmBroadcast(readers, slots=4, slot_bytes=slot_bytes, poll_s=0.05) as writer:
+        procs = [CTX.Process(target=_collect, args=(writer.handle, i, len(messages), out)) for i in range(readers)]
+        for p in procs:
             p.start()
         try:
             for m in messages:
                 writer.send(m, timeout=60)
-            got = dict(out.get(timeout=60) for _ in readers)
+            return dict(out.get(timeout=60) for _ in procs)
         finally:
-            _stop(*readers)
+            _stop(*procs)
+
+
+def test_three_readers_in_other_processes_get_every_message_in_order_across_wraps_and_fragments():
+    rng = random.Random(7)
+    messages = [rng.randbytes(rng.choice([0, 1, 8, 1023, 1024, 1025, rng.randrange(3 * 1024)])) for _ in range(300)]
     expected = [_digest(m) for m in messages]
-    assert got == {0: expected, 1: expected, 2: expected}
+    assert _broadcast(messages, readers=3, slot_bytes=1024) == {0: expected, 1: expected, 2: expected}
 
 
 def test_messages_larger_than_the_ring_stream_through_it_whole():
     sizes = [5 << 20, 4 * 4096, 4096, 4095, 0, 3 * 4096 + 1]
     messages = [random.Random(s).randbytes(s) for s in sizes]
-    out = CTX.Queue()
-    with ShmBroadcast(2, slots=4, slot_bytes=4096, poll_s=0.05) as writer:
-        readers = [CTX.Process(target=_collect, args=(writer.handle, i, len(messages), out)) for i in range(2)]
-        for p in readers:
-            p.start()
-        try:
-            for m in messages:
-                writer.send(m, timeout=60)
-            got = dict(out.get(timeout=60) for _ in readers)
-        finally:
-            _stop(*readers)
     expected = [_digest(m) for m in messages]
-    assert got == {0: expected, 1: expected}
+    assert _broadcast(messages, readers=2, slot_bytes=4096) == {0: expected, 1: expected}
 
 
 def test_a_reader_on_an_event_loop_sleeps_on_its_socket_and_gets_every_message_whole():
