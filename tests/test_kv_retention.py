@@ -318,7 +318,8 @@ def test_a_preempted_requests_blocks_wait_as_proven_and_serve_its_resumption():
 def test_tier_1s_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_was_hit_again():
     # Tier 1 says no hit ends above a dropped interior. Edits and regenerations cut histories there: a hit
     # that takes back a block the claim was made for counts against it. Up to one in DOUBT (20) it holds;
-    # past that, a dropped interior waits in tier 3 in release order, behind older finished chains.
+    # past that, a dropped interior waits in tier 3 in release order, behind older finished chains, and so
+    # do the interiors the claim had sent to tier 1 before: released into tier 3 as one batch.
     q = FreeQueue([], (1,))
     interior = _blocks(1, DOUBT - 1, "i")
     q.add_dropped(interior, 0, (), ())             # 19 claimed: tier 1
@@ -328,8 +329,8 @@ def test_tier_1s_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_wa
     q.remove(interior[0])                          # hit again: 1 of 20, 20 <= 20: the claim holds
     q.add_dropped(_blocks(50, 1, "f"), 0, (), ())  # tier 1, ahead of the chain
     q.remove(interior[1])                          # 2 of 21: 40 > 21: withdrawn
-    q.add_dropped(_blocks(60, 1, "d"), 0, (), ())  # tier 3, after the older chain
-    assert q.ids() == list(range(3, 20)) + [40, 50, 30, 60]
+    q.add_dropped(_blocks(60, 1, "d"), 0, (), ())  # tier 1's 19 blocks, then this one: tier 3, after the chain
+    assert q.ids() == [30] + list(range(3, 20)) + [40, 50, 60]
 
 
 def test_a_block_tier_1_evicted_that_lrus_pool_then_served_counts_against_its_claim():
@@ -344,15 +345,16 @@ def test_a_block_tier_1_evicted_that_lrus_pool_then_served_counts_against_its_cl
     q.lost_block((-1, b"c10"))                     # not a block tier 1 evicted: nothing
     q.add_dropped(_blocks(20, 1, "x"), 0, (), ())  # still claimed: tier 1 (4 claimed)
     q.lost_block((-1, a[0].block_hash))            # LRU served what tier 1 evicted: 1 of 4, 20 > 4
-    q.add_dropped(_blocks(30, 1, "y"), 0, (), ())  # withdrawn: tier 3, after the chain
-    assert q.ids() == [2, 3, 20, 10, 30]
+    q.add_dropped(_blocks(30, 1, "y"), 0, (), ())  # withdrawn: tier 1's blocks, then this one, after the chain
+    assert q.ids() == [10, 2, 3, 20, 30]
 
 
 def test_tier_2s_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_was_hit_again_tier_1s_stays():
     # Tier 2 says a dropped window below a prompt's end is reused less than any finished chain. Questions
     # over retrieved documents come back to a document's end: a hit that takes back a block the claim was
     # made for counts against it. Up to one in DOUBT (20) it holds; past that, such a window waits in tier 3
-    # in release order, behind older finished chains. Tier 1's claim is counted apart and still holds.
+    # in release order, behind older finished chains, as do the windows it had sent to tier 2. Tier 1's claim
+    # is counted apart and still holds.
     q = FreeQueue([], (1,))
     window = _blocks(1, DOUBT - 1, "w")
     q.add_dropped(window, 0, (), range(DOUBT - 1))     # 19 claimed: tier 2
@@ -362,9 +364,9 @@ def test_tier_2s_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_wa
     q.remove(window[0])                                # hit again: 1 of 20, 20 <= 20: the claim holds
     q.add_dropped(_blocks(50, 1, "f"), 0, (), {0})     # tier 2, ahead of the chain
     q.remove(window[1])                                # 2 of 21: 40 > 21: withdrawn
-    q.add_dropped(_blocks(60, 1, "d"), 0, (), {0})     # tier 3, after the older chain
+    q.add_dropped(_blocks(60, 1, "d"), 0, (), {0})     # tier 2's windows, then this one: tier 3, after the chain
     q.add_dropped(_blocks(70, 1, "u"), 0, (), ())      # an interior: tier 1's claim, never doubted
-    assert q.ids() == [70] + list(range(3, 20)) + [40, 50, 30, 60]
+    assert q.ids() == [70, 30] + list(range(3, 20)) + [40, 50, 60]
 
 
 def test_a_block_tier_2_evicted_that_lrus_pool_then_served_counts_against_its_claim():
@@ -376,8 +378,8 @@ def test_a_block_tier_2_evicted_that_lrus_pool_then_served_counts_against_its_cl
     assert q.take(0) == [a[0]]                         # tier 2 goes before tier 3
     q.add_dropped(_blocks(20, 1, "x"), 0, (), {0})     # still claimed: tier 2 (4 claimed)
     q.lost_block((-1, a[0].block_hash))                # LRU served what tier 2 evicted: 1 of 4, 20 > 4
-    q.add_dropped(_blocks(30, 1, "y"), 0, (), {0})     # withdrawn: tier 3, after the chain
-    assert q.ids() == [2, 3, 20, 10, 30]
+    q.add_dropped(_blocks(30, 1, "y"), 0, (), {0})     # withdrawn: tier 2's blocks, then this one, after the chain
+    assert q.ids() == [10, 2, 3, 20, 30]
 
 
 def test_an_answer_waits_in_its_chain_until_one_goes_unwanted_for_two_pools_then_first_until_a_lookup_wants_one():
@@ -400,8 +402,8 @@ def test_an_answer_waits_in_its_chain_until_one_goes_unwanted_for_two_pools_then
     q.add_released([(_blocks(3, 1, "d")[0], None)])  # tier 2: before the older chain
     assert q.ids() == [3, 30]
     q.note_lookup([b"p", b.block_hash].__getitem__, 0, 2)   # a follow-up goes on through b: 1 against
-    q.add_released([(_blocks(4, 1, "e")[0], None)])  # 20 * 1 >= 1: in doubt again, tier 3 after c
-    assert q.ids() == [3, 30, 4]
+    q.add_released([(_blocks(4, 1, "e")[0], None)])  # 20 * 1 >= 1: in doubt again: the answer it had sent
+    assert q.ids() == [30, 3, 4]                     # to tier 2 joins tier 3 after c, then this one
 
 
 def test_a_finished_requests_blocks_from_the_one_its_answer_starts_in_are_its_answer():
