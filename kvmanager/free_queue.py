@@ -262,7 +262,9 @@ class FreeQueue:
         answer claim: more than ``DOUBT`` times as many counted for it as against). Withdrawn, it no longer
         covers the blocks it already sent to its tier either: they join tier 3 as one release batch, as they
         would be filed now (left in place, the first edits' prompt-end windows went before every chain long
-        after the claim was withdrawn: edit sliding 1904, seed 2137125457, 0.551 against vLLM sem.'s 0.616)."""
+        after tier 2's claim was withdrawn: edit sliding 1904, seed 2137125457, 0.551 against vLLM sem.'s
+        0.616). Holding again, it takes back only blocks freed from then on: moved back at once, tier 3's
+        blocks of the claim went first in a burst (docs/design.md, Retention, seventeenth round)."""
         claimed, wanted = self._claimed[claim], self._wanted[claim]
         holds = wanted * DOUBT < claimed if claim == ANSWER else wanted * DOUBT <= claimed
         if holds != self._held[claim]:
@@ -271,10 +273,7 @@ class FreeQueue:
                 tier = self._tiers[UNREACHABLE if claim == UNREACHABLE else SPECULATIVE]
                 covered = [e for e in tier.entries() if e.claim == claim]
                 for e in covered:
-                    del (tier.loose if e.kind < 0 else tier.composites[e.kind])[e.block_id]
-                    n = self._units_of_kind[e.kind]
-                    tier.units -= n
-                    self.num_free_units -= n
+                    self._detach(e)
                 if covered:
                     self._release_batches(covered, [])
         return holds
@@ -805,13 +804,17 @@ class FreeQueue:
         return entry
 
     def _unlink(self, entry) -> None:
+        self._detach(entry)
+        if entry.lru is not None:
+            self._lru_unlink(entry)
+
+    def _detach(self, entry) -> None:
+        """Out of its tier or batch (still free: its place in the LRU order stays)."""
         b = entry.bin
         del (b.loose if entry.kind < 0 else b.composites[entry.kind])[entry.block_id]
         n = self._units_of_kind[entry.kind]
         b.units -= n
         self.num_free_units -= n
-        if entry.lru is not None:
-            self._lru_unlink(entry)
         if b.batches is not None:
             self._reusable_units -= n
             if b.batches is not self._proven:
