@@ -534,10 +534,11 @@ def report(rows: list[dict]) -> dict:
               "order); run with /tmp/vllm-venv/bin/python for the real baseline")
     for seed, d in sorted({(r.get("seed"), r["draw"]) for r in rows}, key=lambda k: (str(k[0]), k[1])):
         r0 = next(r for r in rows if r["draw"] == d and r.get("seed") == seed)
-        print(f"{name(seed, d)}: window {r0.get('drawn_window', '?')} (sliding, hybrid; gemma3 keeps its own 1024), concurrency "
-              f"{r0['concurrency']}, chunk {r0['chunk']}, workload seed {r0['workload_seed']}")
-    head = (("      seed" if several else "") + f"{'draw':>4} {'family':<9}{'layout':<8}{'W':>5}{'blocks':>8}{'ceiling':>9}"
-            + "".join(f"{names[s]:>12}" for s in base) + f"{'swakv':>9}{'/ best':>9}{'clairv.*':>9}{'bound':>7}{'floor':>7}")
+        print(f"{name(seed, d)}: window {r0.get('drawn_window', '?')} (sliding, hybrid; gemma3 keeps its own 1024), "
+              f"concurrency {r0['concurrency']}, chunk {r0['chunk']}, workload seed {r0['workload_seed']}")
+    head = (("      seed" if several else "") + f"{'draw':>4} {'family':<9}{'layout':<8}{'W':>5}{'blocks':>8}"
+            + f"{'ceiling':>9}" + "".join(f"{names[s]:>12}" for s in base)
+            + f"{'swakv':>9}{'/ best':>9}{'clairv.*':>9}{'bound':>7}{'floor':>7}")
     print("(clairv.*: a clairvoyant heuristic, Belady on the unbounded run's hits: a reference, not an upper bound)")
     print("(bound: retention_bound on swakv's own schedule, full-attention layouts: the most hit tokens any "
           "policy gets with the same admission and finish times)")
@@ -561,8 +562,8 @@ def report(rows: list[dict]) -> dict:
         best = max((v for v in vals if v is not None), default=None)
         cl = by.get((seed, d, f, lay, p, "clairvoyant"), {}).get("hit_rate")
         floor = sw.get("floor", {})
-        line = (f"{seed:>10}" if several else "") + (f"{d:>4} {f:<9}{lay:<8}{sw['window'] or '-':>5}{p:>8}{_fmt(ceil)}" + "".join(_fmt(v, 12) for v in vals)
-                + _fmt(sw.get("hit_rate")))
+        line = ((f"{seed:>10}" if several else "") + f"{d:>4} {f:<9}{lay:<8}{sw['window'] or '-':>5}{p:>8}{_fmt(ceil)}"
+                + "".join(_fmt(v, 12) for v in vals) + _fmt(sw.get("hit_rate")))
         ratio = None
         if best is not None and sw.get("hit_rate") is not None:
             ratio = sw["hit_rate"] / best if best else (math.inf if sw["hit_rate"] else 1.0)
