@@ -58,11 +58,12 @@ class Trace:
         self.first_eviction = 0                                   # the admission that evicted first
         self._pending: list[str] = []                             # this admission's lacking blocks
         self._saved: list = []
+        self._lru_before = 0
 
     def order(self) -> str:
         q = self.queue
         if q.floor.follow_lru:
-            return "LRU below the floor"
+            return "LRU below the floor" if q.floor.reference is q.floor.dense else "sparse LRU below the floor"
         if q._votes >= THRESHOLD:
             return "youngest-first"
         return "tiers, tier 3 by count" if q._frequency_first() else "tiers"
@@ -94,9 +95,12 @@ class Trace:
             self._saved.append((cls, name, original))
             setattr(cls, name, method)
 
-        def admitted(hit, lru_hit, prompt_tokens):
+        def compared(*_):
+            trace._lru_before = floor.lru_hits
+
+        def admitted(hit, *_):       # LRU's hit: the one the credit compared with (``floor.reference``)
             trace._settle()
-            trace.admissions.append((hit, lru_hit, floor.credit, trace.order()))
+            trace.admissions.append((hit, floor.lru_hits - trace._lru_before, floor.credit, trace.order()))
 
         def popped(entry, _bin):
             if entry.block_hash is not None:
@@ -126,7 +130,7 @@ class Trace:
             if queue._votes >= THRESHOLD:
                 trace.flips.append((len(trace.admissions), "LRU order (an admission got less than LRU)"))
 
-        wrap(Floor, "admitted", after=admitted)
+        wrap(Floor, "admitted", before=compared, after=admitted)
         wrap(FreeQueue, "_pop", before=popped)
         wrap(FreeQueue, "lost_block", before=lost)
         wrap(FreeQueue, "_vote", before=voted, after=voted_after)

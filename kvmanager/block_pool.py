@@ -29,7 +29,7 @@ NULL_BLOCK_ID = 0
 
 class Block:
     __slots__ = ("block_id", "ref_cnt", "group", "block_hash", "shared", "kind", "units", "order", "bin", "lru",
-                 "pinned", "due", "quick", "claim", "depth")
+                 "lru_sparse", "pinned", "due", "quick", "claim", "depth")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -42,6 +42,7 @@ class Block:
         self.order = 0             # its place in its free-queue bin
         self.bin = None            # the free-queue bin it waits in (meaningless while held)
         self.lru = None            # the free queue's LRU bin it waits in too (it holds a hash), or None
+        self.lru_sparse = None     # the same for the sparse LRU (``floor``), where a group drops blocks
         self.due = 0               # tiers 1 and 2: cached units evicted by the time their order reaches it
         self.quick = False         # its last hit from tier 3 came within tier 3's volume (``free_queue``)
         self.claim = 0             # the free queue's claim that covers it while free (tier 1, 2, ANSWER); 0: none

@@ -69,6 +69,8 @@ class GroupCoordinator:
         # group needs the whole prefix
         pool.free.frequency = all(isinstance(s, FullAttention) for s in specs) and set(pool.widths) == {1}
         self._dropping = [g for g in self.groups if g.drops]
+        if self._dropping:
+            pool.free.watch_sparse()
         self.rule = HitRule(specs)
         self.alignment = self.rule.alignment
         self._block_sizes = sorted({s.block_size for s in specs})
@@ -99,11 +101,10 @@ class GroupCoordinator:
         h = self.hit_length(request, max_tokens)
         floor = self.pool.free.floor
         if floor.evicted:         # else both pools still hold every hash: LRU's hit is this one
-            views = [_LruView(g.group_id, self.pool._cached[g.group_id], floor.shadow) for g in self.groups]
-            request.lru_hit = self.rule.longest([partial(g.longest_hit, request, cached=v)
-                                                 for g, v in zip(self.groups, views)], max_tokens)
+            request.lru_hit = self._lru_hit(request, floor.dense, max_tokens)
+            request.sparse_hit = -1 if floor.sparse is None else self._lru_hit(request, floor.sparse, max_tokens)
         else:
-            request.lru_hit = h
+            request.lru_hit = request.sparse_hit = h
         for bs in self._block_sizes:
             hashes = request.block_hashes(bs, 0)
 
@@ -115,6 +116,11 @@ class GroupCoordinator:
         if h == 0:
             return tuple([] for _ in self.groups), 0
         return tuple(g.hit_blocks(request, h) for g in self.groups), h
+
+    def _lru_hit(self, request: Request, shadow, max_tokens: int) -> int:
+        views = [_LruView(g.group_id, self.pool._cached[g.group_id], shadow) for g in self.groups]
+        return self.rule.longest([partial(g.longest_hit, request, cached=v) for g, v in zip(self.groups, views)],
+                                 max_tokens)
 
     def allocate(self, request: Request, num_computed: int, num_slots: int, num_cacheable: int,
                  hit: tuple[list[Block], ...]) -> tuple[list[int], ...] | None:
@@ -238,9 +244,10 @@ class GroupCoordinator:
         return tuple(out)
 
     def _admitted(self, request: Request, hit: int) -> None:
-        """Tell the floor what this admission got and what LRU would have, and where the two pools' blocks
-        part: with a longer hit, LRU's pool takes its hit's blocks back and never computes, so never frees,
-        the blocks below its window; with a shorter one, it computes them and its window drops them.
+        """Tell the floor what this admission got and what each LRU would have, and where each LRU's pool
+        and the real one part: with a longer hit, LRU's pool takes its hit's blocks back and never computes,
+        so never frees, the blocks below its window; with a shorter one, it computes them and its window drops
+        them (into the dense LRU; the sparse one keeps no such interior).
 
         The real hit's own blocks below LRU's window are left out of ``skip``: LRU's pool never took them,
         but the real one did (``taken`` drops them from the shadow), so their later free puts them back at
@@ -249,28 +256,30 @@ class GroupCoordinator:
         system prompt (docs/design.md, Retention, eleventh round)."""
         free = self.pool.free
         floor = free.floor
-        lru_hit, request.lru_hit = request.lru_hit, -1
+        lru_hit, sparse_hit, request.lru_hit, request.sparse_hit = request.lru_hit, request.sparse_hit, -1, -1
         if free.frequency:
             for bs in self._block_sizes:
                 free.referenced(request.block_hashes(bs))
-        floor.admitted(hit, lru_hit, request.num_tokens)
-        if lru_hit == hit:
-            return
-        if lru_hit > hit:
-            free.lost_to_lru()
-        for g in self.groups:
-            bs, first = g.block_size, g.spec.first_needed_token
-            hashes = request.block_hashes(bs, max(hit, lru_hit) // bs)
-            gid = g.group_id
-            if lru_hit > hit:
-                for x in hashes[max(hit, first(lru_hit)) // bs:lru_hit // bs]:
-                    floor.taken((gid, x))
-                    free.lost_block((gid, x))
-                for x in hashes[hit // bs:first(lru_hit) // bs]:
-                    floor.skip((gid, x), free.num_free_units + 16)
-            else:
-                for x in hashes[first(lru_hit) // bs:first(hit) // bs]:
-                    floor.freed((gid, x), g.width)
+        floor.admitted(hit, lru_hit, request.num_tokens, sparse_hit)
+        if lru_hit > hit:       # dense LRU's only (the sparse one's too held the floor on dense LRU where it
+            free.lost_to_lru()  # thrashes: docs/design.md, Retention, eighteenth round)
+        for shadow, other in ((floor.dense, lru_hit), (floor.sparse, sparse_hit)):
+            if shadow is None or other == hit:
+                continue
+            for g in self.groups:
+                bs, first = g.block_size, g.spec.first_needed_token
+                hashes = request.block_hashes(bs, max(hit, other) // bs)
+                gid = g.group_id
+                if other > hit:
+                    for x in hashes[max(hit, first(other)) // bs:other // bs]:
+                        shadow.taken((gid, x))
+                        if shadow is floor.dense:
+                            free.lost_block((gid, x))
+                    for x in hashes[hit // bs:first(other) // bs]:
+                        shadow.skip((gid, x), free.num_free_units + 16)
+                elif shadow is floor.dense:     # the sparse LRU never keeps such dropped interiors
+                    for x in hashes[first(other) // bs:first(hit) // bs]:
+                        shadow.freed((gid, x), g.width)
         floor.trim(free.lru_units)
 
     def free(self, request: Request, preempted: bool = False) -> None:

@@ -1,20 +1,31 @@
-"""The floor under the retention policy: a shadow of plain LRU, and the credit that decides whose order the
+"""The floor under the retention policy: shadows of plain LRU, and the credit that decides whose order the
 free queue follows.
 
-The tiers (``free_queue``) guess where hits will land; plain LRU (vLLM 0.33 dense: every freed cached block
-waits in release order) is what an operator expects at least. ``Floor`` replays LRU from the hashes alone:
-``shadow`` holds the ``(group, hash)`` a pool of the same size would still hold free had it evicted in LRU
-order. Both pools hold the same blocks for running requests, so LRU's free cached blocks fit in the units
-the real pool's free cached blocks take (``trim``). Every lookup is also run against the shadow and those
-held blocks, so at each admission ``i`` the manager knows the hit it granted, ``h_i``, and the one LRU would
-have granted, ``l_i`` (with ``P_i`` tokens looked up). Then
+The tiers (``free_queue``) guess where hits will land; plain LRU is what an operator expects at least, in
+either of the two forms vLLM 0.33 offers for sliding windows: **dense** (every freed cached block waits in
+release order) and **sparse** (its default retention: a sliding group's window is kept only where a hit can
+land, at prompt ends and junctions; the other dropped windows never wait at all). Neither wins everywhere:
+with more sessions than the pool holds the dropped interiors push dense LRU's chains out (edit sliding 1894,
+seed 127399297: dense 0.188, sparse 0.617), while an edit that cuts a history anywhere hits interiors only
+dense keeps (edit sliding 3049, seed 133950997: 0.746 against 0.660). ``Floor`` replays both from the hashes
+alone: a ``Shadow`` holds the ``(group, hash)`` a pool of the same size would still hold free had it evicted
+in that LRU order (``sparse`` exists where a group drops blocks, and never holds what tier 1 is for: dropped
+windows below no fork, no prompt end and no last message). Both pools hold the same blocks for running
+requests, so an LRU's free cached blocks fit in the units the real pool's free cached blocks take
+(``trim``). Every lookup is also run against each shadow and those held blocks, so at each admission ``i``
+the manager knows the hit it granted, ``h_i``, and each LRU's, ``d_i`` and ``s_i`` (with ``P_i`` tokens
+looked up). The **reference** starts dense and changes only on a pool's worth of evidence: with
+``lead_i = clamp(lead_{i-1} + s_i - d_i, +-cap)``, it turns sparse once the lead reaches ``+cap``, dense
+again once it reaches ``-cap`` (changing at every sign of the lead, the floor followed the sparse LRU after
+the loss of a single prompt and traded as many losing cells in as out: docs/design.md, Retention,
+eighteenth round). ``l_i`` is the reference's hit at admission ``i`` (chosen before it). Then
 
     credit_i = min(cap, credit_{i-1} + h_i - l_i + SLACK * P_i),   credit_0 = 0
 
-and the free queue follows the tiers while ``credit >= 0``, LRU's order otherwise (``free_queue``: content
-LRU does not hold goes first, so the real free blocks become LRU's at once). Below zero the real pool hits
-as LRU does, so the credit cannot see the tiers doing better. What it can see, from the hashes alone, is
-where the tiers' order would have parted from LRU's on these same admissions (ARC's ghost hits): LRU
+and the free queue follows the tiers while ``credit >= 0``, the reference's order otherwise (``free_queue``:
+content that LRU does not hold goes first, so the real free blocks become its own at once). Below zero the
+real pool hits as LRU does, so the credit cannot see the tiers doing better. What it can see, from the hashes
+alone, is where the tiers' order would have parted from LRU's on these same admissions (ARC's ghost hits): LRU
 **missing** a chain its own order evicted which the tiers' order would have kept (tier-3 ghosts evicted
 while following LRU, in one run from a lookup's hit end: the blocks by which that hit would have been
 longer; looked up while tier 3's votes say keep old chains), and LRU **hitting** a free block
@@ -48,13 +59,21 @@ spent once, not forever. The credit only falls below zero at the admission that 
 admission's loss, its prompt at worst) and while the real pool still lacks what the tiers evicted before
 the switch and LRU kept: that content leaves the shadow within one turnover of the free pool. The
 comparison is with LRU on the same admissions (same order, same running requests), not with another run.
+
+Against the better of the two LRUs the reference costs a bounded amount: over a stretch where sparse is
+the reference, ``lead`` starts at ``+cap`` and ends above ``-cap`` less the difference at the admission that
+ends it, and clamping at ``+cap`` only discards the sparse LRU's gains, so ``sum (d_i - s_i)`` over the
+stretch is at most ``2 cap`` plus that difference (alike for dense stretches, whose first starts at 0). So
+``sum l_i >= max(sum d_i, sum s_i) - 2 cap (changes + 1) - changed_by``, ``changed_by`` the sum of
+``|s_j - d_j|`` at the admissions where the reference changed, and the bound above holds against the
+better LRU less that.
 The overshoot's size is not bounded in advance: a loss is seen only when an admission needs what the tiers
 evicted earlier.
 
-O(1) per block: an ordered-dict operation per block freed, taken or revived, and per block the shadow
-evicts; a comparison per block a hit takes back; the shadow holds at most one entry per free pool unit.
-A lookup runs the hit search a second time, against the shadow, once either pool has evicted a cached
-block (before that both hold everything).
+O(1) per block: an ordered-dict operation per shadow per block freed, taken or revived, and per block a
+shadow evicts; a comparison per block a hit takes back; a shadow holds at most one entry per free pool unit.
+A lookup runs the hit search once more per shadow once either pool has evicted a cached block (before that
+all hold everything).
 """
 from __future__ import annotations
 
@@ -63,80 +82,135 @@ from collections import OrderedDict
 SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose to LRU before it takes over
 
 
-class Floor:
-    __slots__ = ("shadow", "units", "ignore", "on_leave", "credit", "cap", "slack", "follow_lru", "evicted",
-                 "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
-                 "evidence", "block", "forgiven")
+class Shadow:
+    """What a pool of the same size would hold free had it evicted in plain LRU order: ``(group, hash)`` ->
+    the block's units, oldest first."""
 
-    def __init__(self, cap: int = 0, slack: float = SLACK):
-        self.shadow: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # free cached block -> its units
-        self.units = 0              # units the shadow's blocks take
-        self.ignore: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # frees LRU would not see
-        self.on_leave = lambda key: None   # told each key that leaves the shadow
-        self.cap = cap
-        self.slack = slack
-        self.credit = 0.0
-        self.follow_lru = False
-        self.evicted = False        # either pool evicted a cached block (else both hold every hash)
-        self.admissions = self.lru_admissions = self.switches = 0
-        self.hits = self.lru_hits = self.prompt_tokens = 0
-        self.lowest = 0.0
-        self.evidence = 0               # below the floor: tokens the tiers' order would have served more
-        self.block = 16                 # tokens a block (the smallest block size)
-        self.forgiven = 0.0             # credit written off to give the tiers another try
+    __slots__ = ("blocks", "units", "ignore", "on_leave")
 
-    # -- the shadow: what plain LRU would hold ---------------------------------------------------
+    def __init__(self):
+        self.blocks: OrderedDict[tuple[int, bytes], int] = OrderedDict()
+        self.units = 0              # units its blocks take
+        self.ignore: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # frees this LRU would not see
+        self.on_leave = lambda key: None   # told each key that leaves it
+
+    def __contains__(self, key: tuple[int, bytes]) -> bool:
+        return key in self.blocks
+
     def freed(self, key: tuple[int, bytes], units: int) -> bool:
-        """A cached block no one holds any more joins the back; False if LRU's pool never held it."""
+        """A cached block no one holds any more joins the back; False if this LRU's pool never held it."""
         if self.ignore and self.ignore.pop(key, 0) is None:
             return False
-        shadow = self.shadow
-        if key in shadow:           # a second copy of content already free
-            shadow.move_to_end(key)
+        blocks = self.blocks
+        if key in blocks:           # a second copy of content already free
+            blocks.move_to_end(key)
         else:
-            shadow[key] = units
+            blocks[key] = units
             self.units += units
         return True
 
     def taken(self, key: tuple[int, bytes]) -> None:
-        """A hit took the block back: LRU's pool holds it (a free copy in the real pool is redundant)."""
-        units = self.shadow.pop(key, 0)
+        """A hit took the block back: this LRU's pool holds it (a free copy in the real pool is redundant)."""
+        units = self.blocks.pop(key, 0)
         if units:
             self.units -= units
             self.on_leave(key)
 
     def skip(self, key: tuple[int, bytes], cap: int) -> None:
-        """The real pool will compute and free this block, LRU's would not (its hit was longer)."""
+        """The real pool will compute and free this block, this LRU's would not (its hit was longer)."""
         ignore = self.ignore
         ignore[key] = None
         if len(ignore) > cap:
             ignore.popitem(last=False)
 
-    def trim(self, capacity: int) -> None:
-        """Both pools hold the same blocks for running requests, so LRU's free cached blocks fit in the
-        units the real pool's free cached blocks take: the front goes until they do."""
-        shadow = self.shadow
+    def trim(self, capacity: int) -> bool:
+        """Both pools hold the same blocks for running requests, so this LRU's free cached blocks fit in the
+        units the real pool's free cached blocks take: the front goes until they do. True if any went."""
+        blocks = self.blocks
+        gone = self.units > capacity
         while self.units > capacity:
-            key, units = shadow.popitem(last=False)
+            key, units = blocks.popitem(last=False)
             self.units -= units
-            self.evicted = True
             self.on_leave(key)
+        return gone
 
     def reset(self) -> None:
-        self.shadow.clear()
+        self.blocks.clear()
         self.ignore.clear()
         self.units = 0
+
+
+class Floor:
+    __slots__ = ("dense", "sparse", "lead", "credit", "cap", "slack", "follow_lru", "evicted",
+                 "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
+                 "evidence", "block", "forgiven", "sparse_admissions", "changes", "changed_by",
+                 "dense_hits", "sparse_hits", "on_sparse")
+
+    def __init__(self, cap: int = 0, slack: float = SLACK):
+        self.dense = Shadow()       # plain LRU over every cached block freed
+        self.sparse: Shadow | None = None   # plain LRU over all but windows no hit is known to end above
+        self.lead = 0               # tokens the sparse LRU hit more than the dense one, within +-cap
+        self.on_sparse = False      # the reference is the sparse LRU (since the lead last reached +cap)
+        self.cap = cap
+        self.slack = slack
+        self.credit = 0.0
+        self.follow_lru = False
+        self.evicted = False        # either pool evicted a cached block (else both hold every hash)
+        self.admissions = self.lru_admissions = self.switches = self.sparse_admissions = 0
+        self.hits = self.lru_hits = self.prompt_tokens = 0
+        self.lowest = 0.0
+        self.evidence = 0               # below the floor: tokens the tiers' order would have served more
+        self.block = 16                 # tokens a block (the smallest block size)
+        self.forgiven = 0.0             # credit written off to give the tiers another try
+        self.changes = 0                # admissions at which the reference changed
+        self.changed_by = 0             # the sum of |s_j - d_j| over them (what the reference may cost)
+        self.dense_hits = self.sparse_hits = 0   # each LRU's hits, summed
+
+    @property
+    def reference(self) -> Shadow:
+        """The LRU the credit is measured against and the free queue follows below zero."""
+        return self.sparse if self.on_sparse else self.dense
+
+    def taken(self, key: tuple[int, bytes]) -> None:
+        self.dense.taken(key)
+        if self.sparse is not None:
+            self.sparse.taken(key)
+
+    def trim(self, capacity: int) -> None:
+        if self.dense.trim(capacity):
+            self.evicted = True
+        if self.sparse is not None and self.sparse.trim(capacity):
+            self.evicted = True
+
+    def reset(self) -> None:
+        self.dense.reset()
+        if self.sparse is not None:
+            self.sparse.reset()
         self.evicted = False
 
     # -- the credit ------------------------------------------------------------------------------
-    def admitted(self, hit: int, lru_hit: int, prompt_tokens: int) -> None:
-        """An admission: the hit granted, LRU's, the tokens looked up. Decides whose order comes next."""
+    def admitted(self, hit: int, lru_hit: int, prompt_tokens: int, sparse_hit: int = -1) -> None:
+        """An admission: the hit granted, each LRU's (``sparse_hit``: -1 without a sparse LRU), the tokens
+        looked up. Decides whose order comes next."""
+        if self.on_sparse:
+            self.sparse_admissions += 1
+            ref = sparse_hit
+        else:
+            ref = lru_hit
+        self.dense_hits += lru_hit
+        if sparse_hit >= 0:
+            self.sparse_hits += sparse_hit
+            lead = self.lead = max(-self.cap, min(self.cap, self.lead + sparse_hit - lru_hit))
+            if self.cap and (lead == self.cap if not self.on_sparse else lead == -self.cap):
+                self.on_sparse = not self.on_sparse
+                self.changes += 1
+                self.changed_by += abs(sparse_hit - lru_hit)
         self.admissions += 1
         self.lru_admissions += self.follow_lru
         self.hits += hit
-        self.lru_hits += lru_hit
+        self.lru_hits += ref
         self.prompt_tokens += prompt_tokens
-        credit = min(self.cap, self.credit + hit - lru_hit + self.slack * prompt_tokens)
+        credit = min(self.cap, self.credit + hit - ref + self.slack * prompt_tokens)
         if credit < self.lowest:
             self.lowest = credit
         if self.follow_lru and credit < 0 and self.evidence >= -credit:
@@ -158,4 +232,5 @@ class Floor:
         return {"admissions": self.admissions, "lru_share": self.lru_admissions / max(1, self.admissions),
                 "switches": self.switches, "hits": self.hits, "lru_hits": self.lru_hits,
                 "prompt_tokens": self.prompt_tokens, "credit": round(self.credit), "lowest": round(self.lowest),
-                "forgiven": round(self.forgiven)}
+                "forgiven": round(self.forgiven), "sparse_share": self.sparse_admissions / max(1, self.admissions),
+                "changes": self.changes, "changed_by": self.changed_by}

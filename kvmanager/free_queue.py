@@ -68,18 +68,19 @@ of every parent hash is remembered, and a lookup follows the remembered chain pa
 request's chain leaves it, that parent is a fork. Every memory (children, forks, ghosts) is bounded by
 twice the pool's size.
 
-**The floor** (``floor``): these tiers are guesses, and plain LRU is what an operator expects at least.
-Every free entry holding a hash also waits in plain LRU order (vLLM 0.33 dense's), in one of two bins:
-content the floor's shadow of plain LRU also holds, and content it does not. While the floor's credit is
-negative (the tiers' hits fell more than its slack below LRU's on the same trace) a new block comes from
-the empty tier, then the content LRU does not hold, then LRU's own order: the free blocks become LRU's at
-once, rather than after a pool's turnover of recomputed blocks pushing out what LRU kept. An admission
-that got less than LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess
-such a hit proves wrong. Below the floor, lookups passing ghosts LRU's order evicted and hits on blocks the
-tiers' order would have evicted by then (``due``: counted in cached units evicted) tell the floor where the
-two orders would have parted (its evidence for giving the tiers another try). Ghosts are passed along the
-remembered chain and, past a fork, along the request's own: a session's chain behind a shared system
-prompt leaves the remembered one at the prompt's end.
+**The floor** (``floor``): these tiers are guesses, and plain LRU is what an operator expects at least. Every
+free entry holding a hash also waits in plain LRU order, in one of two bins per shadow of plain LRU the floor
+keeps (dense, vLLM 0.33's every-block cache; sparse, where a group drops blocks: no window tier 1 is for):
+content that shadow also holds, and content it does not. While the floor's credit is negative (the tiers' hits
+fell more than its slack below its reference LRU's on the same trace) a new block comes from the empty tier,
+then the content the reference does not hold, then its own order: the free blocks become that LRU's at once,
+rather than after a pool's turnover of recomputed blocks pushing out what it kept. An admission that got less
+than dense LRU would have also ends tier 3's youngest-first order: keeping old chains is the guess such a hit
+proves wrong. Below the floor, lookups passing ghosts LRU's order evicted and hits on blocks the tiers' order
+would have evicted by then (``due``: counted in cached units evicted) tell the floor where the two orders
+would have parted (its evidence for giving the tiers another try). Ghosts are passed along the remembered
+chain and, past a fork, along the request's own: a session's chain behind a shared system prompt leaves the
+remembered one at the prompt's end.
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
@@ -95,7 +96,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 
-from .floor import Floor
+from .floor import Floor, Shadow
 
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 ANSWER = 3           # a claim, not a tier: a finished request's answer waits in tier 2 while it holds
@@ -160,9 +161,10 @@ class FreeQueue:
         # floor's shadow (plain LRU) also holds, and content it does not (``_lru_out``: evicted first below
         # the floor, so the real pool converges to LRU's at once instead of being flooded by recomputes).
         self._lru_in, self._lru_out = Bin(widths), Bin(widths)
+        self._sparse_in = self._sparse_out = None      # the same for the sparse LRU (``watch_sparse``)
         self._cached = cached if cached is not None else []     # the pool's: (group, hash) -> blocks
         self.floor = Floor(cap_tokens)
-        self.floor.on_leave = self._left_shadow
+        self.floor.dense.on_leave = self._left_dense
         self._chains: OrderedDict[int, Bin] = OrderedDict()   # release batches, oldest first
         self._quick: OrderedDict[int, Bin] = OrderedDict()    # chains whose last reuse LRU would have served
         self._proven: OrderedDict[int, Bin] = OrderedDict()
@@ -375,14 +377,26 @@ class FreeQueue:
             self.floor.taken((block.group, block.block_hash))
             self.floor.trim(self.lru_units)
 
+    def watch_sparse(self) -> None:
+        """A group drops blocks: the floor also shadows the LRU that never keeps what tier 1 is for."""
+        if self.floor.sparse is None:
+            self.floor.sparse = Shadow()
+            self.floor.sparse.on_leave = self._left_sparse
+            self._sparse_in, self._sparse_out = Bin(self.widths), Bin(self.widths)
+
     def _lru_release(self, blocks) -> None:
-        """Freed blocks (those no one holds) join the LRU order and the floor's shadow, in release order."""
+        """Freed blocks (those no one holds) join the LRU order and the floor's shadows, in release order;
+        the sparse one never holds a dropped window below no fork and no prompt end (tier 1's)."""
         floor = self.floor
+        dense, sparse = floor.dense, floor.sparse
         for block in blocks:
             if block.ref_cnt or block.block_hash is None:
                 continue
-            inside = floor.freed((block.group, block.block_hash), self._units_of_kind[block.kind])
-            self._lru_push(block, self._lru_in if inside else self._lru_out)
+            key, units = (block.group, block.block_hash), self._units_of_kind[block.kind]
+            self._lru_push(block, self._lru_in if dense.freed(key, units) else self._lru_out)
+            if sparse is not None:
+                inside = block.claim != UNREACHABLE and sparse.freed(key, units)
+                self._sparse_push(block, self._sparse_in if inside else self._sparse_out)
         floor.trim(self._lru_in.units + self._lru_out.units)
 
     @property
@@ -394,20 +408,40 @@ class FreeQueue:
         block.lru = b
         b.units += self._units_of_kind[block.kind]
 
+    def _sparse_push(self, block, b: Bin) -> None:
+        (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id] = block
+        block.lru_sparse = b
+        b.units += self._units_of_kind[block.kind]
+
     def _lru_unlink(self, block) -> None:
         b = block.lru
         del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
         b.units -= self._units_of_kind[block.kind]
         block.lru = None
 
-    def _left_shadow(self, key: tuple[int, bytes]) -> None:
-        """Plain LRU no longer holds this content: the real free copies of it go out of the LRU order."""
-        group, block_hash = key
-        blocks = self._cached[group].get(block_hash) if self._cached else None
-        for block in blocks.values() if blocks else ():
+    def _sparse_unlink(self, block) -> None:
+        b = block.lru_sparse
+        del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
+        b.units -= self._units_of_kind[block.kind]
+        block.lru_sparse = None
+
+    def _left_dense(self, key: tuple[int, bytes]) -> None:
+        """Plain LRU no longer holds this content: the real free copies of it go out of its order."""
+        for block in self._copies(key):
             if block.lru is self._lru_in:
                 self._lru_unlink(block)
                 self._lru_push(block, self._lru_out)
+
+    def _left_sparse(self, key: tuple[int, bytes]) -> None:
+        for block in self._copies(key):
+            if block.lru_sparse is self._sparse_in:
+                self._sparse_unlink(block)
+                self._sparse_push(block, self._sparse_out)
+
+    def _copies(self, key: tuple[int, bytes]):
+        group, block_hash = key
+        blocks = self._cached[group].get(block_hash) if self._cached else None
+        return blocks.values() if blocks else ()
 
     # -- learning: forks and ghosts ------------------------------------------------------------
     def learn(self, parent: bytes, child: bytes) -> None:
@@ -637,8 +671,12 @@ class FreeQueue:
         plain LRU order."""
         if self.floor.follow_lru:
             yield self._tiers[EMPTY]
-            yield self._lru_out
-            yield self._lru_in
+            if self.floor.reference is self.floor.dense:
+                yield self._lru_out
+                yield self._lru_in
+            else:
+                yield self._sparse_out
+                yield self._sparse_in
             return
         yield from self._tiers
         if self._tails > 0 and self._votes < THRESHOLD:     # chains (LRU among them), then proven, by stamp
@@ -807,6 +845,8 @@ class FreeQueue:
         self._detach(entry)
         if entry.lru is not None:
             self._lru_unlink(entry)
+        if entry.lru_sparse is not None:
+            self._sparse_unlink(entry)
 
     def _detach(self, entry) -> None:
         """Out of its tier or batch (still free: its place in the LRU order stays)."""
@@ -871,12 +911,14 @@ class FreeQueue:
         """Every hash was dropped (``reset_prefix_cache``): every free entry holds nothing now; what was
         learnt from hashes (children, forks, ghosts) goes too."""
         entries = self.entries()
-        widths, cap, frequency = self.widths, self.floor.cap, self.frequency
+        widths, cap, frequency, sparse = self.widths, self.floor.cap, self.frequency, self.floor.sparse
         self.__init__([], widths, self.last_message_tokens, self._cached, cap)
         self.frequency = frequency
+        if sparse is not None:
+            self.watch_sparse()
         empty = self._tiers[EMPTY]
         for e in entries:
-            e.lru = None
+            e.lru = e.lru_sparse = None
             e.claim = 0
             self._push(e, empty)
         self._cap = max(16, 2 * self.num_free_units)

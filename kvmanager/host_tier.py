@@ -299,7 +299,9 @@ class HostTier:
         if h2 <= h:
             return hit, h
         request.lru_hit = max(request.lru_hit, h2)   # the floor compares device policies: LRU with this
-        out = []                                     # host tier would have had it too
+        if request.sparse_hit >= 0:                  # host tier would have had it too
+            request.sparse_hit = max(request.sparse_hit, h2)
+        out = []
         get, null = self.pool.get_cached, self.pool.null_block
         for g in co.groups:
             bs, gid = g.block_size, g.group_id

@@ -41,7 +41,7 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens", "extra_keys", "finished", "_hashes", "lru_hit")
+                 "num_computed_tokens", "extra_keys", "finished", "_hashes", "lru_hit", "sparse_hit")
 
     def __init__(self, request_id: str, prompt_token_ids, *, extra_keys: tuple = (),
                  block_hashes: dict[int, list[bytes]] | None = None):
@@ -62,6 +62,7 @@ class Request:
         self.finished = False
         self._hashes: dict[int, list[bytes]] = _check_hashes(request_id, block_hashes, len(prompt))
         self.lru_hit = -1     # the hit plain LRU would have granted at its last lookup (``kvmanager.floor``)
+        self.sparse_hit = -1  # the same for the sparse LRU, where a group drops blocks
 
     @property
     def num_tokens(self) -> int:

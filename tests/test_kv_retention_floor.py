@@ -18,7 +18,7 @@ import pytest
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager import free_queue
 from kvmanager.block_pool import Block
-from kvmanager.floor import SLACK, Floor
+from kvmanager.floor import SLACK, Floor, Shadow
 from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
@@ -223,19 +223,72 @@ def test_after_lru_takes_over_its_misses_on_chains_it_evicted_give_the_tiers_bac
     assert prompt == 1774 and sum(h for _, h in hits) >= sum(h for _, h in lru) - SLACK * prompt - floor.forgiven
 
 
+def test_on_the_same_trace_with_both_lrus_the_sparse_one_becomes_the_reference_and_the_tiers_keep_up(
+        tier1_never_doubted):
+    # The trace above with the sparse LRU shadowed too. It never holds the documents' and the sessions'
+    # dropped interior windows, so from the sessions' second turn on it keeps the prompt-end windows a
+    # follow-up hits while dense LRU hits nothing: by the 16th session turn it has out-hit dense LRU by a
+    # pool's worth of tokens (20 blocks x 4 = 80) and becomes the reference. By then the deficit was
+    # written off and the tiers hit what it hits: the credit stays >= 0, the chat phase hits 792 as above,
+    # and dense LRU's 96 are the edits' (the simulator's LRU: 4 x 24, no chat hit).
+    mgr = KVCacheManager([SlidingWindow(B, window=W)], num_blocks=21, last_message_tokens=0)
+    trace = list(edits(4)) + list(sessions())
+    hits = [(kind, serve(mgr, Request(f"r{i}", tokens))) for i, (kind, tokens) in enumerate(trace)]
+    chat = [h for k, h in hits if k == "chat"]
+    assert chat[:16] == [0] * 16 and sum(chat) == 792
+    floor = mgr.pool.free.floor
+    assert (floor.on_sparse, floor.changes, floor.sparse_admissions) == (True, 1, len(trace) - 28)
+    assert floor.credit >= 0 and not floor.follow_lru
+    assert floor.dense_hits == 96 and floor.sparse_hits > floor.dense_hits + floor.cap
+
+
+def test_the_sparse_lru_becomes_the_reference_once_it_leads_by_a_cap_and_gives_it_back_once_it_trails_by_one():
+    f = Floor(cap=100)
+    f.sparse = Shadow()
+    f.admitted(0, 0, 1000, 60)            # the sparse LRU 60 ahead, less than the cap: dense stays the
+    assert (f.lead, f.on_sparse, f.credit) == (60, False, 2.0)      # reference (0 - 0 + the slack's 2)
+    f.admitted(0, 0, 1000, 60)            # 120, clamped to the cap: sparse from the next admission on
+    assert (f.lead, f.on_sparse, f.changes, f.changed_by, f.credit) == (100, True, 1, 60, 4.0)
+    f.admitted(0, 10, 1000, 40)           # measured against the sparse LRU's 40: 4 - 40 + 2 < 0, its order
+    assert (f.credit, f.follow_lru, f.reference is f.sparse) == (-34.0, True, True)
+    f.admitted(50, 150, 1000, 50)         # dense LRU 100 ahead: the lead falls to 0, sparse stays
+    f.admitted(50, 150, 1000, 50)         # -100: dense again from the next admission
+    assert (f.lead, f.on_sparse, f.changes, f.changed_by, f.credit) == (-100, False, 2, 160, -30.0)
+    # What the reference cost against the better LRU (the stated bound): two caps per change and one
+    # more, and the differences at the changes
+    assert (f.lru_hits, f.dense_hits, f.sparse_hits) == (140, 310, 260)
+    assert f.lru_hits >= max(f.dense_hits, f.sparse_hits) - 2 * f.cap * (f.changes + 1) - f.changed_by
+
+
+@pytest.mark.parametrize("sparse_reference, first", [(True, "interior"), (False, "chain")])
+def test_below_the_floor_the_free_queue_follows_the_references_order(sparse_reference, first):
+    # A finished request's chain, then a dropped interior window (tier 1's: below no fork, no prompt end).
+    # Dense LRU holds both and evicts the chain first (released first); the sparse LRU never holds the
+    # interior, so following it, the interior goes first.
+    q = FreeQueue([], (1,))
+    q.watch_sparse()
+    q.floor.follow_lru, q.floor.on_sparse, q.floor.cap = True, sparse_reference, 1000
+    chain, interior = Block(1), Block(2)
+    for x, tag in ((chain, b"c"), (interior, b"i")):
+        x.block_hash, x.group = tag, 0
+    q.add_released([(chain, False)])
+    q.add_dropped([interior], 0, (), ())
+    assert q.take(0) == [{"chain": chain, "interior": interior}[first]]
+
+
 def test_the_shadow_keeps_what_fits_in_the_real_pools_free_cached_units_evicting_its_oldest():
-    f = Floor()
+    f = Shadow()
     left = []
     f.on_leave = left.append
     for i in range(5):
         assert f.freed((0, b"h%d" % i), 1)
     f.freed((0, b"h1"), 1)                # freed again: to the back
-    f.trim(3)
-    assert left == [(0, b"h0"), (0, b"h2")] and list(f.shadow) == [(0, b"h3"), (0, b"h4"), (0, b"h1")]
+    assert f.trim(3)
+    assert left == [(0, b"h0"), (0, b"h2")] and list(f.blocks) == [(0, b"h3"), (0, b"h4"), (0, b"h1")]
     f.taken((0, b"h4"))                   # a hit took it back: held, not free
-    assert f.units == 2
+    assert f.units == 2 and not f.trim(3)
     f.skip((0, b"x"), cap=8)              # a block only the real pool computes: its free is not LRU's
-    assert not f.freed((0, b"x"), 1) and (0, b"x") not in f.shadow
+    assert not f.freed((0, b"x"), 1) and (0, b"x") not in f
 
 
 def _chain(q: FreeQueue, parent: bytes, tag: str, first: int, n: int) -> list[Block]:
