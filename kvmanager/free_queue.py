@@ -397,7 +397,7 @@ class FreeQueue:
             if sparse is not None:
                 inside = block.claim != UNREACHABLE and sparse.freed(key, units)
                 self._sparse_push(block, self._sparse_in if inside else self._sparse_out)
-        floor.trim(self._lru_in.units + self._lru_out.units)
+        floor.trim(self.lru_units)
 
     @property
     def lru_units(self) -> int:
