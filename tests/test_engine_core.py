@@ -257,7 +257,8 @@ def test_a_frontend_on_the_engines_host_adds_and_reads_through_rings_and_leaving
     """A subscriber on the engine's host gets two shared-memory rings' handles instead of records
     (``record_ring``): its adds go in through one, each burst's results (engine ids, or a refusal) and every
     record come out through the other, one message per step at most, greedy tokens as over Ray. A reader
-    that detaches (its frontend died) ends the subscription: its request is aborted, the rings unlinked."""
+    that detaches (its frontend died) ends the subscription: its request is aborted. The rings' names leave
+    /dev/shm as soon as both ends have mapped them, so a killed engine or frontend leaves nothing there."""
     async def main():
         svc = EngineService(lambda: build_engine(MODEL, block_size=4, num_blocks=256))
         sub = svc.subscribe("f", host_id())
@@ -273,6 +274,7 @@ def test_a_frontend_on_the_engines_host_adds_and_reads_through_rings_and_leaving
                 break
             await asyncio.sleep(0.01)
         finished_records, sent, calls = list(records), svc.records, svc.add_calls
+        names_while_live = [os.path.exists(f"/dev/shm/{h.name}") for h in (handles.records, handles.adds)]
         assert adds.try_send([(7, "long", PROMPTS[0], {"max_tokens": 400}, None)])
         while not any(key == 7 for record in records for key, _ in record):
             await asyncio.sleep(0.01)
@@ -285,9 +287,9 @@ def test_a_frontend_on_the_engines_host_adds_and_reads_through_rings_and_leaving
                 break
             await asyncio.sleep(0.01)
         adds.close()
-        return finished_records, sent, calls, svc.engine.metrics.steps, stats, handles
+        return finished_records, sent, calls, svc.engine.metrics.steps, stats, handles, names_while_live
 
-    records, sent, calls, steps, stats, handles = asyncio.run(main())
+    records, sent, calls, steps, stats, handles, names_while_live = asyncio.run(main())
     added = [result for record in records for key, results in record if key == ADDED for result in results]
     assert [key for key, _ in added] == [0, 1, 2, 3] and calls == 1           # one burst, one add call
     assert [result for _, result in added[:3]] == ["r0#1", "r1#2", "r2#3"]
@@ -301,6 +303,9 @@ def test_a_frontend_on_the_engines_host_adds_and_reads_through_rings_and_leaving
     assert sent == len(records) <= steps + 1                # one ring message per record: a step's, or the adds'
     assert (stats["running"], stats["finished"]) == (0, {"length": 3, "abort": 1})
     assert not os.path.exists(f"/dev/shm/{handles.records.name}") and not os.path.exists(f"/dev/shm/{handles.adds.name}")
+    # both ends had mapped both rings once the first record went out: their names were gone from then on,
+    # while every record still came through
+    assert names_while_live == [False, False]
 
 
 def test_requests_whose_add_was_in_flight_when_the_subscription_ended_are_aborted():

@@ -2,7 +2,7 @@
 to its whole process group (a terminal's Ctrl-C, ``kill -TERM -PGID``, a service manager), or the main
 process killed outright. A stream in flight is told that the server is shutting down, and within 30 s
 nothing of ours is left (no process that inherited the server's environment: the server, GCS, raylet,
-Ray's workers) and the port is free.
+Ray's workers; no shared-memory segment any of them made) and the port is free.
 
 The cases share one port, in order: each server's start on it proves the stop before it freed it at once.
 Every process the server starts carries a marker in its environment, which is how they are found.
@@ -142,6 +142,7 @@ def test_serve_stops_completely_within_30_s_however_the_signal_arrives(sig, targ
     try:
         assert len(processes_marked(mark)) >= 4          # the server, GCS, raylet, workers: all marked
         events, reader = stream_in_flight()
+        ours = processes_marked(mark)
         if target == "group":
             os.killpg(proc.pid, sig)
         else:
@@ -149,6 +150,8 @@ def test_serve_stops_completely_within_30_s_however_the_signal_arrives(sig, targ
         took, left = wait_until_gone(mark, proc)
         assert left == {}, f"{len(left)} processes left {took:.0f} s after {sig.name} to the {target}: {left}"
         assert port_is_free(PORT)
+        segments = sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(f"swakv-{pid}-") for pid in ours))
+        assert segments == [], f"left in /dev/shm after {sig.name} to the {target}: {segments}"
         reader.join(10)
         assert events[-1].get("error", {}).get("type") == "server_shutting_down", events[-1]
         out, err = proc.communicate(timeout=10)

@@ -29,6 +29,8 @@ tracker would too, and says so if it finds the name gone); ``recv`` after the wr
 A third process may own the segment (``ShmSegment``): the engine makes the rings between its workers
 (a pipeline stage's hidden states, the last stage's replies) and unlinks them all at shutdown or restart,
 whichever worker died, so nothing is left in /dev/shm; the writer then attaches (``ShmBroadcast.attach``).
+Once every end has mapped a segment its name has no more use: ``unlink`` removes it early (the mappings
+stay valid), so that no way of ending the processes, SIGKILL included, leaves it behind.
 """
 from __future__ import annotations
 
@@ -212,12 +214,20 @@ class ShmSegment:
 
     def __init__(self, num_readers: int, *, slots: int = 8, slot_bytes: int = 64 << 10):
         self.handle, self._shm = _create(num_readers, slots, slot_bytes)
+        self._named = True
+
+    def unlink(self) -> None:
+        """Remove the segment's name now, once its writer and readers have mapped it (``ShmBroadcast.unlink``)."""
+        if self._named and self._shm is not None:
+            self._named = False
+            _unlink_owned(self._shm)
 
     def close(self) -> None:
         if self._shm is not None:
             shm, self._shm = self._shm, None
             shm.close()
-            _unlink_owned(shm)
+            if self._named:
+                _unlink_owned(shm)
 
     def __enter__(self):
         return self
@@ -254,6 +264,7 @@ class ShmBroadcast:
         ring.words[6] = os.getpid()
         self.spin_s, self.poll_s = spin_s, poll_s
         self.closed = False
+        self._named = ring.owner is not None     # this writer made the segment and its name is still there
 
     def send(self, data: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
         """Publish ``data`` to every reader; waits (spinning, then sleeping) while the slowest reader is a
@@ -352,6 +363,17 @@ class ShmBroadcast:
         ring = self._ring
         return [bool(ring.words[ring.reader_word(r, 1)]) for r in range(self.handle.num_readers)]
 
+    def unlink(self) -> None:
+        """Remove the segment's name from /dev/shm once every reader has mapped it. The mappings stay valid
+        (sending and reading go on as before, until ``close``), and no way of ending the processes, SIGKILL
+        included, can leave the segment behind; nothing can attach from then on. Only for a segment this
+        writer made; a no-op after the first call."""
+        if self._ring.owner is None:
+            raise ChannelError(f"channel {self.handle.name}: only the writer that made the segment unlinks it")
+        if self._named:
+            self._named = False
+            _unlink_owned(self._ring.owner)
+
     def close(self) -> None:
         """Readers get what was sent, then ``ChannelClosed``; the segment is unlinked now if this writer
         made it (readers keep their mapping until they close)."""
@@ -365,7 +387,7 @@ class ShmBroadcast:
             ring.wake(f"r{r}")
         shm = ring.owner
         ring.release()
-        if shm is not None:      # else the segment's owner unlinks it (``ShmSegment``)
+        if shm is not None and self._named:      # else unlinked already, or its owner does (``ShmSegment``)
             _unlink_owned(shm)
 
     def __enter__(self):

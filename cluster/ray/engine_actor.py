@@ -289,6 +289,7 @@ class EngineService:
             ring = RecordWriter(on_gone=lambda: loop.call_soon_threadsafe(sub.wake.set), on_sent=self._count_record)
             adds = AddRing(lambda batch: self._add_from_ring(subscriber, sub, batch))
             sub.watch = loop.call_later(RING_CHECK_S, self._watch_ring, ring, sub, loop.time() + RING_ATTACH_S)
+        named = ring is not None          # the rings' names are still in /dev/shm
         try:
             yield [] if ring is None else RingHandles(ring.handle, adds.handle)
             while True:
@@ -305,6 +306,13 @@ class EngineService:
                     self._count_record()
                     yield record
                 else:
+                    if named and ring.reader_attached():
+                        # both rings are mapped at both ends by now (the frontend attaches both before it
+                        # adds anything, and records answer adds): their names may go, so that however
+                        # this process or the frontend's ends, SIGKILL included, nothing stays in /dev/shm
+                        named = False
+                        ring.unlink()
+                        adds.unlink()
                     ring.put(record)
         finally:
             if ring is not None:

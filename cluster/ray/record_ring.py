@@ -102,6 +102,14 @@ class RecordWriter:
         elif attached_by_now and self.ring.readers_unattached():
             self.gone = ChannelError("the frontend never attached to its ring")
 
+    def reader_attached(self) -> bool:
+        return not self.ring.readers_unattached()
+
+    def unlink(self) -> None:
+        """Remove the ring's name from /dev/shm (its reader has mapped it): nothing is left there however
+        the engine's process ends."""
+        self.ring.unlink()
+
     def close(self) -> None:
         """Write what is pending, then close the ring (its reader drains it, then sees it closed)."""
         with self._cond:
@@ -143,6 +151,10 @@ class AddRing:
         self.segment = ShmSegment(1, slots=ADD_SLOTS, slot_bytes=ADD_SLOT_BYTES)
         self.handle: ChannelHandle = self.segment.handle
         self.reader = LoopReader(self.handle, on_adds)
+
+    def unlink(self) -> None:
+        """Remove the ring's name from /dev/shm (its writer has mapped it)."""
+        self.segment.unlink()
 
     def close(self) -> None:
         self.reader.close()
