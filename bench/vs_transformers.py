@@ -8,10 +8,12 @@ lock so no other session's benchmark overlaps it), waits until ``/v1/models`` an
 completion streams back (the warm-up: a few requests before anything is measured), runs guidellm once per
 mode, then stops the server with SIGINT to its group and SIGKILL after a grace period. The rounds
 alternate which server goes first. Modes: one request at a time (``synchronous``), a constant rate
-(``constant``, 8 req/s), and every request at once (``throughput``). Every run sends the same requests:
-chat completions, streamed, N synthetic prompts of 128 tokens, ``max_completion_tokens`` 32,
-temperature 0. guidellm would also send ``ignore_eos`` and ``stop: null`` when the data fixes the output
-length, and ``transformers serve`` refuses unknown fields with a 422, so the output cap goes in the
+(``constant``, 8 req/s, 100 requests), and an unlimited rate (``throughput``: 500 requests, 100 in
+flight at a time, so the run lasts several seconds and guidellm's own ramp, 0.2-0.5 s to send the first
+100, is a small part of it). Both servers get the same requests in a mode: chat completions, streamed,
+synthetic prompts of 128 tokens from guidellm's seed for that mode (each mode its own, so that no run
+finds another's prompts in swakv's prefix cache), ``max_completion_tokens`` 32, temperature 0. guidellm
+would also send ``ignore_eos`` and ``stop: null`` when the data fixes the output length, and ``transformers serve`` refuses unknown fields with a 422, so the output cap goes in the
 backend's ``max_tokens`` instead: both servers then stop at 32 tokens or at EOS (greedy on the same
 weights, the outputs are the same; the table's ``out tok`` column shows what came back).
 
@@ -53,6 +55,9 @@ TF_CMD = (TF_PYTHON + " -c \"import sys; sys.argv[0] = 'transformers'; "
 SWAKV_CMD = sys.executable + " -m cluster serve --host 127.0.0.1 --port {port}"
 GUIDELLM = "/tmp/guidellm-venv-c2/bin/guidellm"
 MODES = {"sync": {"kind": "synchronous"}, "rate": {"kind": "constant"}, "max": {"kind": "throughput"}}
+# guidellm's synthetic prompts follow its seed: one seed per mode, so that no mode's run finds another's
+# prompts in swakv's prefix cache (the same seed for both servers, so both get the same requests)
+MODE_SEEDS = {"rate": 1, "max": 2, "sync": 3}
 SPREAD_GOAL = 0.15
 
 
@@ -179,10 +184,12 @@ def guidellm(args, server: Server, mode: str, run: int, workdir: str) -> Run:
                "extras": {"body": {"temperature": 0}}}
     profile = dict(MODES[mode], **({"rate": args.rate} if mode == "rate" else {}),
                    **({"max_concurrency": args.requests} if mode == "max" else {}))
+    count = {"sync": args.sync_requests, "rate": args.requests, "max": args.max_requests}[mode]
     out = os.path.join(workdir, f"{server.name}-{mode}-{run}.json")
     cmd = [args.guidellm, "run", "--backend", json.dumps(backend), "--profile", json.dumps(profile),
-           "--constraint", f"kind=max_requests,count={args.sync_requests if mode == 'sync' else args.requests}",
+           "--constraint", f"kind=max_requests,count={count}",
            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}",
+           "--seed", f"kind=static,value={MODE_SEEDS[mode]}",
            "--tokenizer", f"kind=huggingface_auto,model={MODEL_DIR}",
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -327,6 +334,10 @@ def main() -> None:
     p.add_argument("--first-run", type=int, default=1,
                    help="number of the first run (to add the later runs of an interrupted series to its --jsonl)")
     p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--max-requests", type=int, default=500,
+                   help="requests of the unlimited-rate mode, --requests of them in flight at a time: with "
+                        "100 in all, swakv's run lasted 1.1-1.5 s, of which guidellm took 0.2-0.5 s to send the "
+                        "first 100, so the figure measured the client's ramp more than the server")
     p.add_argument("--sync-requests", type=int, default=20,
                    help="requests of the one-at-a-time mode (a reference figure, not a goal: it is the slowest)")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -356,8 +367,10 @@ def main() -> None:
     for exe in (args.guidellm, TF_PYTHON if args.tf_cmd == TF_CMD else None):
         if exe and not os.access(exe, os.X_OK):
             p.error(f"{exe} not found: see docs/performance.md (side by side with transformers serve) to set it up")
-    if args.runs < args.first_run or args.first_run < 1 or args.requests < 1 or args.sync_requests < 1 or args.rate <= 0:
-        p.error("need 1 <= --first-run <= --runs, --requests and --sync-requests >= 1, --rate > 0")
+    if args.runs < args.first_run or args.first_run < 1 or args.requests < 1 or args.sync_requests < 1 or args.rate <= 0 \
+            or args.max_requests < args.requests:
+        p.error("need 1 <= --first-run <= --runs, --requests and --sync-requests >= 1, --rate > 0, "
+                "--max-requests >= --requests")
     workdir = args.workdir or tempfile.mkdtemp(prefix="vs-tf-")
     os.makedirs(workdir, exist_ok=True)
     log(f"logs and guidellm reports in {workdir}")
@@ -368,7 +381,9 @@ def main() -> None:
         runs.append(r)
         if args.jsonl:
             with open(args.jsonl, "a") as f:
-                f.write(json.dumps(dict(asdict(r), cmd=cmds[r.server], requests=args.requests,
+                f.write(json.dumps(dict(asdict(r), cmd=cmds[r.server],
+                                        requests=args.max_requests if r.mode == "max" else args.requests,
+                                        seed=MODE_SEEDS[r.mode],
                                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                                         rate=args.rate if r.mode == "rate" else None)) + "\n")
 
@@ -377,8 +392,9 @@ def main() -> None:
         for name in order:
             session(args, name, cmds[name], run, workdir, emit)
     print(f"swakv: {args.swakv_cmd}\ntransformers: {args.tf_cmd}\nclient: guidellm, chat completions streamed, "
-          f"{args.requests} prompts ({args.sync_requests} one at a time) of {args.prompt_tokens} tokens, max {args.output_tokens} out, temperature 0; "
-          f"modes: sync = one at a time, rate = constant {args.rate:g} req/s, max = all at once\n")
+          f"prompts of {args.prompt_tokens} tokens, max {args.output_tokens} out, temperature 0, new prompts for each mode; "
+          f"modes: sync = {args.sync_requests} one at a time, rate = {args.requests} at a constant {args.rate:g} req/s, "
+          f"max = {args.max_requests} with {args.requests} in flight at a time\n")
     print("\n".join(report(runs, args)))
 
 
