@@ -63,8 +63,14 @@ def sim_reference(pp: int, prefix: str = "r") -> dict:
 
 
 def segments() -> set[str]:
-    """Shared-memory segments this process (the engine) made."""
+    """Shared-memory segments this process (the engine) made that are still named in /dev/shm."""
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"swakv-{os.getpid()}-")}
+
+
+def ring_names(ex) -> set[str]:
+    """The rings the executor's workers read and write now, by the names they were made under."""
+    return {handle.name for role in ex._rings.roles() for key, handle in role.items()
+            if key in ("steps", "upstream", "downstream", "replies")}
 
 
 class RanksPerStage(RayExecutor):
@@ -88,7 +94,8 @@ def test_simulated_stages_and_ranks_over_the_rings_give_the_in_process_tokens(ra
     try:
         assert ex.uses_shm_rings and ex.supports_async
         assert len(ex.actors) == pp * (2 if executor is RanksPerStage else 1)
-        assert len(segments()) == pp + 1               # the step ring, a link per later stage, the replies
+        assert len(ring_names(ex)) == pp + 1           # the step ring, a link per later stage, the replies
+        assert not segments()                          # every worker mapped them: their names are gone
         tokens, reasons = run_all(engine, sim_requests())
         assert tokens == sim_reference(pp) and set(reasons.values()) == {"length"}
         assert engine.stats()["worker_restarts"] == 0
@@ -165,14 +172,15 @@ def test_a_worker_killed_while_idle_fails_the_next_step_and_the_requests_finish_
     engine, _ = build_engine("gemma-3-27b", pipeline_parallel_size=2, **SIM, executor_cls=RayExecutor)
     ex = engine.executor
     try:
-        before = segments()
+        before = ring_names(ex)
         ray.kill(ex.actors[1], no_restart=True)          # the last stage: the one that answers
         wait_dead(ex.pids[1])
         tokens, reasons = run_all(engine, sim_requests())
         assert tokens == sim_reference(2) and set(reasons.values()) == {"length"}
         assert engine.stats()["worker_restarts"] == 1
-        after = segments()
-        assert len(after) == 3 and not after & before    # new rings; the old ones are gone
+        after = ring_names(ex)
+        assert len(after) == 3 and not after & before    # new rings
+        assert not segments()                            # neither the old rings nor the new ones are named
         assert all(process_alive(pid) for pid in ex.pids)
     finally:
         ex.shutdown()

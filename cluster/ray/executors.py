@@ -11,8 +11,9 @@ so does the engine while it waits for a step. Workers on other nodes get each st
 Faults: a step refused because of one request raises that ``RequestError`` (from ``submit`` when it
 was submitted alone, before the next is scheduled, as asynchronous scheduling needs); a worker that
 dies (its pid gone, its ring's writer gone, Ray's actor error) or does not answer within
-``step_timeout_s`` raises ``WorkerFailure``; ``restart`` makes new actors and new rings, and
-``shutdown`` unlinks every ring (the engine made them all), so nothing is left in /dev/shm.
+``step_timeout_s`` raises ``WorkerFailure``; ``restart`` makes new actors and new rings. The engine makes
+every ring and removes their names from /dev/shm as soon as the workers have mapped them, so nothing is
+left there however the processes end.
 """
 from __future__ import annotations
 
@@ -158,6 +159,7 @@ class RayExecutor:
                 self._rings = _Rings(pp, tp)
                 ray.get([a.serve.remote(name, rings) for a, name, rings
                          in zip(self.actors, self.worker_names, self._rings.roles())], timeout=self.start_timeout_s)
+                self._rings.unlink()        # every worker mapped its rings in ``serve``: the names may go
         except Exception as exc:  # noqa: BLE001 - a worker that cannot start is a start-up error
             self.shutdown()
             raise RuntimeError(f"worker actors failed to start: {exc}") from exc
@@ -288,7 +290,7 @@ class RayExecutor:
 
 class _Rings:
     """The engine's end of the same-node step path (``workers.runtime.step_loop``): it makes every ring,
-    so it can unlink them all whichever worker died. Replies come in the order steps were sent: an answer
+    and unlinks them all once the workers mapped them, whichever worker dies later. Replies come in the order steps were sent: an answer
     for an earlier step that arrives while waiting for a later one is kept until it is collected."""
 
     LINK_SLOT_BYTES = 1 << 20            # hidden states: a chunk of 512 tokens x 5k x 2 bytes is 5 MB
@@ -362,6 +364,14 @@ class _Rings:
                 raise ChannelTimeout(f"no answer from the workers within {timeout:.0f} s")
             kind, got, body = unframe(self.reader.recv(timeout=left, check=check))
             self._answers[got] = (kind, bytes(body))
+
+    def unlink(self) -> None:
+        """Remove every ring's name from /dev/shm once every worker has mapped its rings: the rings work on,
+        and however the engine's process ends (killed outright, its resource tracker with it) nothing of
+        them is left there."""
+        self.steps.unlink()
+        for segment in self.segments:
+            segment.unlink()
 
     def close(self) -> None:
         """Close both ends and unlink every segment, even if a thread still waits on the reply ring
