@@ -325,6 +325,40 @@ def test_close_unlinks_the_segment_readers_drain_then_see_closed_and_nothing_is_
     assert _segments() == before
 
 
+def test_a_ring_unlinked_once_its_ends_attached_goes_on_and_nothing_can_attach_any_more():
+    """The maker removes the name once every end has mapped the segment (so no way of ending a process can
+    leave it in /dev/shm): messages still flow both through a writer's own segment and through a segment a
+    third party owns; a new reader or writer finds nothing; a second unlink and close are no-ops."""
+    before = _segments()
+    writer = ShmBroadcast(1, slots=4, slot_bytes=64)
+    reader = ShmReader(writer.handle, 0)
+    writer.unlink()
+    writer.unlink()
+    assert writer.handle.name not in _segments()
+    for m in (b"a", b"b" * 200, b"c"):                     # fragments, and wraps the 4-slot ring
+        writer.send(m)
+        assert reader.recv(timeout=1) == m
+    with pytest.raises(ChannelError, match="does not exist"):
+        ShmReader(writer.handle, 0)
+    owner = ShmSegment(1, slots=2, slot_bytes=64)
+    seg_reader, seg_writer = ShmReader(owner.handle, 0), ShmBroadcast.attach(owner.handle)
+    owner.unlink()
+    with pytest.raises(ChannelError, match="only the writer that made the segment"):
+        seg_writer.unlink()
+    seg_writer.send(b"through a third party's segment")
+    assert seg_reader.recv(timeout=1) == b"through a third party's segment"
+    with pytest.raises(ChannelError, match="does not exist"):
+        ShmBroadcast.attach(owner.handle)
+    writer.close()
+    seg_writer.close()
+    owner.close()
+    with pytest.raises(ChannelClosed):
+        reader.recv(timeout=1)
+    reader.close()
+    seg_reader.close()
+    assert _segments() == before
+
+
 def test_bad_arguments_are_refused_before_any_segment_exists():
     before = _segments()
     for kwargs in (dict(num_readers=0), dict(num_readers=1, slots=1), dict(num_readers=1, slot_bytes=12),

@@ -27,10 +27,10 @@ tracker would too, and says so if it finds the name gone); ``recv`` after the wr
 ``ChannelClosed`` once the ring is drained. Linux only (abstract sockets, /dev/shm).
 
 A third process may own the segment (``ShmSegment``): the engine makes the rings between its workers
-(a pipeline stage's hidden states, the last stage's replies) and unlinks them all at shutdown or restart,
-whichever worker died, so nothing is left in /dev/shm; the writer then attaches (``ShmBroadcast.attach``).
-Once every end has mapped a segment its name has no more use: ``unlink`` removes it early (the mappings
-stay valid), so that no way of ending the processes, SIGKILL included, leaves it behind.
+(a pipeline stage's hidden states, the last stage's replies), whichever worker dies, and the writer
+attaches (``ShmBroadcast.attach``). Once every end has mapped a segment its name has no more use: the
+maker's ``unlink`` removes it early (the mappings stay valid, nothing can attach any more), so that no
+way of ending the processes, SIGKILL included, leaves it in /dev/shm.
 """
 from __future__ import annotations
 
@@ -388,6 +388,7 @@ class ShmBroadcast:
         shm = ring.owner
         ring.release()
         if shm is not None and self._named:      # else unlinked already, or its owner does (``ShmSegment``)
+            self._named = False
             _unlink_owned(shm)
 
     def __enter__(self):

@@ -289,9 +289,10 @@ class RayExecutor:
 
 
 class _Rings:
-    """The engine's end of the same-node step path (``workers.runtime.step_loop``): it makes every ring,
-    and unlinks them all once the workers mapped them, whichever worker dies later. Replies come in the order steps were sent: an answer
-    for an earlier step that arrives while waiting for a later one is kept until it is collected."""
+    """The engine's end of the same-node step path (``workers.runtime.step_loop``): it makes every ring and
+    unlinks them all once the workers mapped them, whichever worker dies later. Replies come in the order
+    steps were sent: an answer for an earlier step that arrives while waiting for a later one is kept until
+    it is collected."""
 
     LINK_SLOT_BYTES = 1 << 20            # hidden states: a chunk of 512 tokens x 5k x 2 bytes is 5 MB
 
