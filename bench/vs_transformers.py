@@ -13,8 +13,9 @@ flight at a time, so the run lasts several seconds and guidellm's own ramp, 0.2-
 100, is a small part of it). Both servers get the same requests in a mode: chat completions, streamed,
 synthetic prompts of 128 tokens from guidellm's seed for that mode (each mode its own, so that no run
 finds another's prompts in swakv's prefix cache), ``max_completion_tokens`` 32, temperature 0. guidellm
-would also send ``ignore_eos`` and ``stop: null`` when the data fixes the output length, and ``transformers serve`` refuses unknown fields with a 422, so the output cap goes in the
-backend's ``max_tokens`` instead: both servers then stop at 32 tokens or at EOS (greedy on the same
+would also send ``ignore_eos`` and ``stop: null`` when the data fixes the output length, and
+``transformers serve`` refuses unknown fields with a 422, so the output cap goes in the backend's
+``max_tokens`` instead: both servers then stop at 32 tokens or at EOS (greedy on the same
 weights, the outputs are the same; the table's ``out tok`` column shows what came back).
 
 Figures per run, from guidellm's JSON: TTFT p50 and ITL p50 (guidellm's medians over the requests),
@@ -178,16 +179,20 @@ class Run:
     wall_s: float
 
 
+def mode_requests(args, mode: str) -> int:
+    """How many requests a run of ``mode`` sends."""
+    return {"sync": args.sync_requests, "rate": args.requests, "max": args.max_requests}[mode]
+
+
 def guidellm(args, server: Server, mode: str, run: int, workdir: str) -> Run:
     backend = {"kind": "openai_http", "target": server.url, "model": server.model,
                "request_format": "/v1/chat/completions", "max_tokens": args.output_tokens,
                "extras": {"body": {"temperature": 0}}}
     profile = dict(MODES[mode], **({"rate": args.rate} if mode == "rate" else {}),
                    **({"max_concurrency": args.requests} if mode == "max" else {}))
-    count = {"sync": args.sync_requests, "rate": args.requests, "max": args.max_requests}[mode]
     out = os.path.join(workdir, f"{server.name}-{mode}-{run}.json")
     cmd = [args.guidellm, "run", "--backend", json.dumps(backend), "--profile", json.dumps(profile),
-           "--constraint", f"kind=max_requests,count={count}",
+           "--constraint", f"kind=max_requests,count={mode_requests(args, mode)}",
            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens}",
            "--seed", f"kind=static,value={MODE_SEEDS[mode]}",
            "--tokenizer", f"kind=huggingface_auto,model={MODEL_DIR}",
@@ -382,7 +387,7 @@ def main() -> None:
         if args.jsonl:
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps(dict(asdict(r), cmd=cmds[r.server],
-                                        requests=args.max_requests if r.mode == "max" else args.requests,
+                                        requests=mode_requests(args, r.mode),
                                         seed=MODE_SEEDS[r.mode],
                                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                                         rate=args.rate if r.mode == "rate" else None)) + "\n")
