@@ -188,7 +188,8 @@ def guidellm(args, server: Server, mode: str, run: int, workdir: str) -> Run:
     backend = {"kind": "openai_http", "target": server.url, "model": server.model,
                "request_format": "/v1/chat/completions", "max_tokens": args.output_tokens,
                "extras": {"body": {"temperature": 0}}}
-    profile = dict(MODES[mode], **({"rate": args.rate} if mode == "rate" else {}),
+    profile = dict(MODES[mode], **({"kind": args.arrivals, "rate": args.rate} if mode == "rate" else {}),
+                   **({"random_seed": MODE_SEEDS[mode]} if mode == "rate" and args.arrivals == "poisson" else {}),
                    **({"max_concurrency": args.requests} if mode == "max" else {}))
     out = os.path.join(workdir, f"{server.name}-{mode}-{run}.json")
     cmd = [args.guidellm, "run", "--backend", json.dumps(backend), "--profile", json.dumps(profile),
@@ -347,7 +348,9 @@ def main() -> None:
                    help="requests of the one-at-a-time mode (a reference figure, not a goal: it is the slowest)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--rate", type=float, default=8.0, help="req/s of the constant-rate mode")
+    p.add_argument("--rate", type=float, default=8.0, help="req/s of the rate mode")
+    p.add_argument("--arrivals", choices=["constant", "poisson"], default="constant",
+                   help="the rate mode's arrival process")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "rate", "max"])
     p.add_argument("--servers", nargs="+", choices=["swakv", "transformers"], default=["swakv", "transformers"])
     p.add_argument("--client-processes", type=int, default=2,
@@ -390,7 +393,8 @@ def main() -> None:
                                         requests=mode_requests(args, r.mode),
                                         seed=MODE_SEEDS[r.mode],
                                         prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-                                        rate=args.rate if r.mode == "rate" else None)) + "\n")
+                                        rate=args.rate if r.mode == "rate" else None,
+                                        arrivals=args.arrivals if r.mode == "rate" else None)) + "\n")
 
     for run in range(args.first_run, args.runs + 1):
         order = args.servers if run % 2 else list(reversed(args.servers))   # alternate who goes first
@@ -398,7 +402,7 @@ def main() -> None:
             session(args, name, cmds[name], run, workdir, emit)
     print(f"swakv: {args.swakv_cmd}\ntransformers: {args.tf_cmd}\nclient: guidellm, chat completions streamed, "
           f"prompts of {args.prompt_tokens} tokens, max {args.output_tokens} out, temperature 0, new prompts for each mode; "
-          f"modes: sync = {args.sync_requests} one at a time, rate = {args.requests} at a constant {args.rate:g} req/s, "
+          f"modes: sync = {args.sync_requests} one at a time, rate = {args.requests} at {args.rate:g} req/s ({args.arrivals}), "
           f"max = {args.max_requests} with {args.requests} in flight at a time\n")
     print("\n".join(report(runs, args)))
 
