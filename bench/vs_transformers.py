@@ -189,7 +189,6 @@ def guidellm(args, server: Server, mode: str, run: int, workdir: str) -> Run:
                "request_format": "/v1/chat/completions", "max_tokens": args.output_tokens,
                "extras": {"body": {"temperature": 0}}}
     profile = dict(MODES[mode], **({"kind": args.arrivals, "rate": args.rate} if mode == "rate" else {}),
-                   **({"random_seed": MODE_SEEDS[mode]} if mode == "rate" and args.arrivals == "poisson" else {}),
                    **({"max_concurrency": args.requests} if mode == "max" else {}))
     out = os.path.join(workdir, f"{server.name}-{mode}-{run}.json")
     cmd = [args.guidellm, "run", "--backend", json.dumps(backend), "--profile", json.dumps(profile),
