@@ -199,6 +199,10 @@ class BlockPool:
         else:
             entry[block.block_id] = block
 
+    def uncache(self, block: Block) -> None:
+        """Forget a held block's hash: its content will never be what the hash says (no later lookup finds it)."""
+        self._uncache(block)
+
     def _uncache(self, block: Block) -> None:
         entry = self._cached[block.group][block.block_hash]
         del entry[block.block_id]
@@ -228,6 +232,10 @@ class BlockPool:
     def pop_compositions(self) -> list[tuple[int, int, tuple[int, ...]]]:
         out, self._compositions = self._compositions, []
         return out
+
+    def unpop_compositions(self, compositions) -> None:
+        """Pending again, ahead of any made since (a later entry for the same id still wins)."""
+        self._compositions[:0] = compositions
 
     def replay_compositions(self) -> None:
         """Queue every composite that exists now as pending (restarted workers know none of them)."""

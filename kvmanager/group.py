@@ -189,6 +189,17 @@ class KVCacheGroup:
                       tokens[i * bs:(i + 1) * bs] if tokens is not None else None)
         self._num_cached[rid] = end
 
+    def uncache_from(self, request: Request, first: int) -> None:
+        """Forget the hashes of the request's blocks from index ``first`` on, entered at allocation for tokens
+        that will now never be computed into them (``KVCacheManager.withdraw``)."""
+        table = self.tables.get(request.request_id, [])
+        null, pool = self.pool.null_block, self.pool
+        for block in table[first:]:
+            if block is not null and block.block_hash is not None:
+                pool.uncache(block)
+        if request.request_id in self._num_cached:
+            self._num_cached[request.request_id] = min(first, self._num_cached[request.request_id])
+
     def quiet_until(self, request: Request) -> tuple[int, int, int]:
         """Below these (slots, cacheable tokens, computed tokens) a step changes nothing in this group:
         no new block, no block to cache, nothing to drop."""

@@ -263,6 +263,32 @@ class KVCacheManager:
         request.num_computed_tokens = 0
         self.stats.preemptions += 1
 
+    def withdraw(self, request: Request) -> None:
+        """Undo an admission that never ran (the engine's late joiner the workers did not take): forget the
+        hashes its new blocks were given at allocation (they will never be computed), release its blocks as
+        a preemption's, and take its lookup out of the statistics; it is admitted again later. Only right
+        after its first allocation (``num_computed_tokens`` is its hit), before any later request could hit
+        its new blocks, or after those were withdrawn too."""
+        self._check_request(request)
+        self.uncache_from(request, request.num_computed_tokens)
+        self._release(request, preempted=True)
+        self.stats.lookups -= 1
+        self.stats.queried_tokens -= request.num_tokens
+        self.stats.hit_tokens -= request.num_computed_tokens
+        request.num_computed_tokens = 0
+
+    def uncache_from(self, request: Request, num_tokens: int) -> None:
+        """The request's blocks holding positions from ``num_tokens`` on will not be computed as scheduled
+        (the workers refused the step, or it was withdrawn): forget the hashes they were given at allocation,
+        so that no later lookup hits them."""
+        self._check_request(request)
+        for g in self.coordinator.groups:
+            g.uncache_from(request, num_tokens // g.block_size)
+
+    def unpop_compositions(self, compositions) -> None:
+        """Put back what ``pop_compositions`` returned for a step that was never sent, ahead of newer ones."""
+        self.pool.unpop_compositions(compositions)
+
     # -- checks --------------------------------------------------------------------------------
     def _release(self, request: Request, preempted: bool) -> None:
         rid = request.request_id

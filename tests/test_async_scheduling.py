@@ -264,3 +264,19 @@ def test_the_worker_feeds_a_draw_it_has_not_reported_yet():
     with pytest.raises(RequestError, match="holds one token"):
         worker.launch(StepInput(3, [ScheduledChunk("r", [0, 0], 12, [[]], from_last_step=True)]))
     assert worker.block_table("r") == [[1, 2, 3, 4]]   # nothing changed by the refused steps
+
+
+def test_the_blocks_of_a_chunk_refused_at_launch_are_not_hit_later():
+    """Blocks are cached when allocated (their tokens are known), before a step computes them; a chunk the
+    workers refuse never computes its blocks, so a later prompt must not find them in the prefix cache."""
+    engine = recorded_engine(num_blocks=64, max_num_batched_tokens=64)
+    engine.config.vocab_size = None            # only the worker (vocab 256) checks token ids now
+    shared = list(PROMPTS[2][:12])             # three full blocks of 4, valid tokens
+    engine.add_request("bad", shared + [300], SamplingParams(max_tokens=4))
+    _, reasons, _ = run_all(engine)
+    assert reasons == {"bad": "error"}
+    engine.add_request("good", shared + [5, 6], SamplingParams(max_tokens=6))
+    tokens, reasons, _ = run_all(engine)
+    assert reasons == {"good": "length"}
+    assert tokens["good"] == reference("tiny-gemma3", tuple(shared + [5, 6]), 6)
+    assert engine.manager.stats.hit_tokens == 0

@@ -145,13 +145,15 @@ class _Ring:
     def reader_word(self, reader: int, field: int) -> int:
         return HEADER_WORDS + READER_WORDS * reader + field
 
-    def drain(self) -> None:
-        """Read pending wake-ups, so that the next sleep waits for a new one."""
+    def drain(self) -> bool:
+        """Read pending wake-ups, so that the next sleep waits for a new one; whether there was any."""
+        woke = False
         while True:
             try:
                 self.sock.recv(64)
+                woke = True
             except (BlockingIOError, InterruptedError):
-                return
+                return woke
 
     def sleep(self, seconds: float) -> None:
         """Until a wake-up arrives (left queued: the caller's next ``drain`` reads it) or ``seconds`` pass."""
@@ -490,6 +492,11 @@ class ShmReader:
     def writer_alive(self) -> bool:
         return process_alive(self._ring.words[6])
 
+    def nudge(self) -> None:
+        """Wake a ``recv`` waiting in this process (from another thread): it calls its ``check`` at once, as at
+        a ``poll_s`` wake-up, and goes on waiting."""
+        self._ring.wake(f"r{self.index}")
+
     def _wait(self, seq: int, deadline: float | None, check=None) -> None:
         ring, words = self._ring, self._ring.words
         spin_until = time.monotonic() + self.spin_s
@@ -500,7 +507,7 @@ class ShmReader:
         while True:        # a reader that gets its message at once (every step of a busy server) pays neither
             words[self._sleeping] = 1
             _fence()                          # between the flag and the counter (see the docstring)
-            ring.drain()
+            woke = ring.drain()               # a ``nudge`` read here still gets its ``check`` below
             if words[4] != seq:
                 words[self._sleeping] = 0
                 return
@@ -511,7 +518,7 @@ class ShmReader:
                 words[self._sleeping] = 0
                 _unlink(self.handle.name)     # nobody else will: the name must not outlive the writer
                 raise ChannelError(f"channel {self.handle.name}: the writer (pid {words[6]}) died")
-            if slept and check is not None:
+            if (slept or woke) and check is not None:
                 try:
                     check()
                 except BaseException:

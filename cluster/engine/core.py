@@ -43,6 +43,7 @@ class EngineCore:
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._closed = False
+        engine.take_arrivals = self._take_arrivals
 
     @property
     def status(self) -> str:
@@ -114,18 +115,42 @@ class EngineCore:
         self.engine = Engine(old.executor, old.manager.specs, old.manager.num_blocks, old.config,
                              group_widths=old.manager.widths)
         self.engine.metrics = old.metrics
+        self.engine.take_arrivals = self._take_arrivals
         if self.on_reset is not None:
             self.on_reset(self.engine)
         return updates + self._restart()
 
     # -- served: the engine-core thread ---------------------------------------------------------------
-    def call(self, fn, *args) -> Future:
-        """Run ``fn(*args)`` on the core thread between two steps; its result (or exception) in the future."""
+    def call(self, fn, *args, admit: bool = False) -> Future:
+        """Run ``fn(*args)`` on the core thread between two steps; its result (or exception) in the future.
+        ``admit``: ``fn`` only adds requests, so it may also run while a step waits for the workers (late
+        joiners: ``Engine``), which is woken for it."""
         future: Future = Future()
         with self._wake:
-            self._inbox.append((fn, args, future))
+            self._inbox.append((fn, args, future, admit))
             self._wake.notify()
+        if admit and getattr(self.engine.executor, "supports_joins", False):
+            self.engine.executor.nudge()
         return future
+
+    def _take_arrivals(self) -> bool:
+        """On the core thread, inside a step: run the adds at the head of the inbox (anything behind another
+        command waits for it, so the order stays); whether there were any."""
+        with self._wake:
+            taken = []
+            while self._inbox and self._inbox[0][3] and not self._closed:
+                taken.append(self._inbox.popleft())
+        self._run(taken)
+        return bool(taken)
+
+    @staticmethod
+    def _run(commands) -> None:
+        for fn, args, future, _ in commands:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller's to see
+                    future.set_exception(exc)
 
     def close(self) -> None:
         """Stop ``run`` after the commands already posted."""
@@ -146,12 +171,7 @@ class EngineCore:
                     self._wake.wait(idle)
                 commands, self._inbox = self._inbox, deque()
                 closed = self._closed
-            for fn, args, future in commands:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as exc:  # noqa: BLE001 - the caller's to see
-                        future.set_exception(exc)
+            self._run(commands)
             if closed:
                 return
             if self._idle_for() == 0.0:

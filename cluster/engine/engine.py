@@ -23,6 +23,16 @@ the workers restart and everything running recomputes. While requests are under 
 runs one step at a time. Served, the core thread calls ``step`` only when ``next_step_due`` says (``step_clock``):
 a decode step long enough is followed shortly before it ends, not at once, so that arrivals make the next one.
 
+Late joiners (executors with ``supports_joins``: one real worker on the rings). While the engine waits for the
+workers to take a step of fed decodes alone, requests that arrive (``take_arrivals``, the served core's hook)
+are admitted at once and their first chunks sent behind it (``Scheduler.schedule_joiners``); a worker that
+finds them when it takes the step runs them in the same batch. Without them a request arriving during step
+N waited for N+2 (N+1 was already queued): on short CPU decode steps the step clock cannot wait, and a
+whole step of time to first token went to that. The acknowledgement says which joined; the others are
+withdrawn (their requests wait at the head of the queue again, as if never admitted). A step of fed decodes
+reads only its requests' blocks and completes no cached block (its new token is not known here), so nothing
+a joiner's hit or new blocks can touch is read in that batch.
+
 Host tier (``EngineConfig.num_host_blocks``): each step carries the copies the manager scheduled; each
 output's reports go to ``transfers_done``, whose failed loads requeue their requests; a worker restart
 loses the workers' host memory (``Scheduler.host_tier_lost``) before everything recomputes. With
@@ -87,6 +97,7 @@ class EngineMetrics:
     wait_time_s: float = 0.0                      # wall time in ``step()`` waiting for the workers' results
     worker_restarts: int = 0
     recomputed_requests: int = 0
+    joined_requests: int = 0                      # requests whose first chunk joined a step already sent
     finished: dict = field(default_factory=dict)   # finish reason -> count
     host_blocks_stored: int = 0                   # host-tier copies the workers reported done, per direction
     host_blocks_loaded: int = 0
@@ -100,9 +111,14 @@ class EngineMetrics:
 def _decodes(plan: StepPlan) -> int | None:
     """How many sequences a step decodes, if that is all it does (one token each, no host-tier copies)."""
     step = plan.step
-    if plan.num_tokens != len(step.chunks) or step.kv_loads or step.kv_stores:
+    if plan.num_tokens != len(step.chunks) or step.kv_loads or step.kv_stores or plan.joined:
         return None
     return plan.num_tokens
+
+
+def _fed_decodes(plan: StepPlan) -> bool:
+    """Every chunk decodes the token the step before drew (nothing else): what late joiners may follow."""
+    return _decodes(plan) is not None and all(c.from_last_step for c in plan.step.chunks)
 
 
 class Engine:
@@ -122,6 +138,7 @@ class Engine:
         self.clock = StepClock()                # when a served engine schedules its next step
         self._inflight: tuple[StepPlan, object] | None = None   # launched, not yet collected (async only)
         self.restarting = False                 # the workers are being replaced (read by health probes)
+        self.take_arrivals = None               # served: admits the requests that came meanwhile, says if any
 
     def add_request(self, request_id: str, prompt_token_ids, params: SamplingParams | None = None,
                     extra_keys: tuple = (), block_hashes: dict[int, list[bytes]] | None = None) -> None:
@@ -206,9 +223,12 @@ class Engine:
         a failure nobody can be blamed for (then the workers restarted and the step in flight is lost).
         ``started``: when its scheduling began (the clock learns the engine's own time from it)."""
         while True:
+            joiners: list[tuple[StepPlan, object]] = []
             try:
-                handle = self._wait(self.executor.submit, plan.step)   # the workers' ack is a wait
+                handle = self._wait(lambda step: self._submit(plan, joiners), plan.step)   # the workers' ack is a wait
             except Exception as exc:  # noqa: BLE001
+                for joiner, _ in reversed(joiners):
+                    self.scheduler.withdraw(joiner)
                 failed = self.isolate(plan, exc)
                 if failed is not None:
                     updates.append(failed)
@@ -217,9 +237,40 @@ class Engine:
                 updates += self.recover_steps([p for p in (inflight, plan) if p is not None])
                 return None
             self.scheduler.launched(plan)
+            took = self.executor.last_joined if joiners else ()
+            for joiner, joiner_handle in reversed(joiners):
+                if joiner_handle not in took:
+                    self.scheduler.withdraw(joiner)
+            for joiner, joiner_handle in joiners:
+                if joiner_handle in took:
+                    self.scheduler.launched(joiner)
+                    plan.joined.append((joiner, joiner_handle))
+                    self.metrics.joined_requests += len(joiner.scheduled)
             taken = time.perf_counter()
             self.clock.launched(_decodes(plan), taken, taken - started - getattr(self.executor, "last_wait_s", 0.0))
             return plan, handle
+
+    def _submit(self, plan: StepPlan, joiners: list):
+        """``executor.submit``; behind a step of fed decodes, requests arriving meanwhile join it (module doc)."""
+        if not (self.take_arrivals is not None and _fed_decodes(plan) and not self.config.num_host_blocks
+                and getattr(self.executor, "supports_joins", False)):
+            return self.executor.submit(plan.step)
+
+        def meanwhile():
+            if not self.take_arrivals():
+                return
+            room = self.config.max_num_batched_tokens - plan.num_tokens - sum(j.num_tokens for j, _ in joiners)
+            joiner = self.scheduler.schedule_joiners(room)
+            if joiner is None:
+                return
+            joiner.started = time.perf_counter()
+            try:
+                joiners.append((joiner, self.executor.join(joiner.step)))
+            except Exception as exc:  # noqa: BLE001 - its requests go with the next step, which sorts out any fault
+                self.scheduler.withdraw(joiner)
+                if find_request_error(exc) is None:
+                    raise
+        return self.executor.submit(plan.step, meanwhile)
 
     def next_step_due(self) -> float | None:
         """The ``time.perf_counter()`` until which a served engine gains by taking requests rather than
@@ -231,10 +282,15 @@ class Engine:
     def _collect_and_apply(self, plan: StepPlan, handle, updates: list, following=None) -> list[SequenceUpdate]:
         try:
             output = self._wait(self.executor.collect, handle)
+            joined = [(joiner, self._wait(self.executor.collect, h)) for joiner, h in plan.joined]
         except Exception:  # noqa: BLE001 - a step already launched cannot be retried alone: both are lost
             self._inflight = None
-            return updates + self.recover_steps([plan] + ([following[0]] if following else []))
-        return updates + self.apply(plan, output)
+            lost = [plan] + ([following[0]] if following else [])
+            return updates + self.recover_steps(lost + [joiner for p in lost for joiner, _ in p.joined])
+        updates += self.apply(plan, output)
+        for joiner, out in joined:
+            updates += self.apply(joiner, out)
+        return updates
 
     def _wait(self, call, arg):
         """``call(arg)``, counting as waiting what the executor says it waited (else the whole call)."""
@@ -264,8 +320,11 @@ class Engine:
         updates = self.scheduler.update(plan, output)
         self.clock.ran(_decodes(plan), output.worker_time_s)
         m = self.metrics
-        m.steps += 1
         m.scheduled_tokens += plan.num_tokens
+        if plan.joiner:                     # part of the step it joined, which counts the step
+            self._count(updates)
+            return updates
+        m.steps += 1
         m.step_time_s += dt
         m.last_step_time_s = dt
         m.delta_bytes += getattr(self.executor, "last_payload_bytes", 0)
@@ -384,6 +443,7 @@ class Engine:
             "wait_time_s": m.wait_time_s,
             "worker_restarts": m.worker_restarts,
             "recomputed_requests": m.recomputed_requests,
+            "joined_requests": m.joined_requests,
             "finished": dict(m.finished),
             "kv_host_blocks": self.config.num_host_blocks,
             "kv_host_blocks_stored": m.host_blocks_stored,

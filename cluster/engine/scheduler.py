@@ -106,6 +106,8 @@ class StepPlan:
     started: float = 0.0
     launched: bool = False                # the workers accepted it (``Scheduler.launched``)
     loading: list = field(default_factory=list)   # requests admitted with loads from host in this step
+    joiner: bool = False                  # late joiners of the step before it (``schedule_joiners``)
+    joined: list = field(default_factory=list)    # (plan, handle) of the joiners the workers ran with it
 
 
 def blocks_to_finish(specs, num_tokens: int, widths=None) -> int:
@@ -263,6 +265,40 @@ class Scheduler:
                 break
             budget -= n
         return self._close(plan, total - budget)
+
+    def schedule_joiners(self, room: int) -> StepPlan | None:
+        """Late joiners of the step just launched (``workers.runtime.step_loop``): first chunks of waiting
+        requests, within ``room`` tokens. Only requests never admitted before, and none that would preempt
+        (those wait for the next step); None when none fits. Not with a host tier (a hit from host loads
+        in a step of its own). The joiners run in the same
+        batch as that step, so it must read no block they could take: the engine sends joiners only behind
+        a step of fed decodes (whose new tokens complete no cached block)."""
+        if self._suspects or room <= 0:
+            return None
+        plan = StepPlan(StepInput(self._step_id, []), joiner=True)
+        budget = room
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.waiting[0].num_cached_tokens is None):
+            n = self._admit(self.waiting[0], budget, plan, preempt=False)
+            if n is None:
+                break
+            budget -= n
+        if not plan.scheduled:
+            return None
+        self._step_id += 1
+        plan.step.compositions = self.manager.pop_compositions()
+        plan.num_tokens = room - budget
+        return plan
+
+    def withdraw(self, plan: StepPlan) -> None:
+        """The workers did not take these joiners: their requests wait again at the head of the queue, in
+        order, as if never admitted; their compositions go with the next step."""
+        for seq in reversed(plan.scheduled):
+            self.manager.withdraw(seq.req)
+            self.running.remove(seq)
+            seq.status, seq.on_workers, seq.num_cached_tokens = "waiting", False, None
+            self.waiting.appendleft(seq)
+        self.manager.unpop_compositions(plan.step.compositions)
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan, preempt: bool) -> int | None:
         """Start a waiting request with its prefix hit and a first chunk; how many tokens it computes (None:
@@ -475,6 +511,9 @@ class Scheduler:
             if chunk.request_id == request_id:
                 del plan.step.chunks[i], plan.scheduled[i]
                 plan.num_tokens -= len(chunk.token_ids)
+                seq = self.sequences.get(request_id)
+                if seq is not None and seq.status == "running":   # its blocks were cached when allocated
+                    self.manager.uncache_from(seq.req, chunk.start_pos)
                 self.fail(request_id, "error", error)
                 return SequenceUpdate(request_id, [], True, "error", error=error)
         return None

@@ -197,9 +197,9 @@ class EngineService:
             await asyncio.shield(self._building)
         return self.core
 
-    async def _on_core(self, fn, *args):
-        """``fn(*args)`` on the core thread, between two steps."""
-        return await asyncio.wrap_future(self.core.call(fn, *args))
+    async def _on_core(self, fn, *args, admit: bool = False):
+        """``fn(*args)`` on the core thread, between two steps (``admit``: adds only, see ``EngineCore.call``)."""
+        return await asyncio.wrap_future(self.core.call(fn, *args, admit=admit))
 
     def _post(self, fn, *args) -> None:
         self.core.call(fn, *args)
@@ -256,7 +256,7 @@ class EngineService:
                     refused.append(exc)
             return refused
         try:
-            refused = await self._on_core(add_all) if staged else []
+            refused = await self._on_core(add_all, admit=True) if staged else []
         except BaseException:
             for _, request_id, *_ in staged:
                 self._sinks.pop(request_id, None)

@@ -23,6 +23,7 @@ import os
 import time
 
 from workers.protocol import StepInput, StepOutput
+from workers.runtime.step_loop import JOIN, STEP, STEP_ACK
 
 from cluster.engine.engine import WorkerFailure
 
@@ -97,6 +98,8 @@ class RayExecutor:
         self.spread_wait_s = spread_wait_s
         self.last_payload_bytes = 0
         self.last_wait_s = 0.0
+        self.last_joined: set = set()       # handles of the joiners the workers took with the last ``submit``
+        self._joins: list = []              # handles of the joiners sent while ``submit`` waits
         self.actors: list = []
         self.pids: list[int] = []
         self._stages: list[list] = []
@@ -207,26 +210,49 @@ class RayExecutor:
     def _simulated(self) -> bool:
         return self.stage_kwargs[0].get("kind") == "simulated"
 
-    def execute(self, step: StepInput) -> StepOutput:
-        return self.collect(self._send(step, ack=False))
+    @property
+    def supports_joins(self) -> bool:
+        """Steps can take late joiners (``workers.runtime.step_loop``): one real worker reads the ring."""
+        return self.supports_async and self._rings.pp * self._rings.tp == 1 and not self._simulated
 
-    def submit(self, step: StepInput):
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.collect(self._send(step, STEP))
+
+    def submit(self, step: StepInput, meanwhile=None):
         """Send the step; return once the workers took it (a handle for ``collect``). A chunk they refuse
-        raises its ``RequestError`` here, before anything changed on them."""
-        handle = self._send(step, ack=self.supports_async)
+        raises its ``RequestError`` here, before anything changed on them. ``meanwhile()``: called while
+        waiting, at each ``nudge``; it may send joiners (``join``). ``last_joined``: the handles of those
+        the workers ran with this step."""
+        self.last_joined, self._joins = set(), []
+        handle = self._send(step, STEP_ACK if self.supports_async else STEP)
         if self._rings is not None and self.supports_async:
             t0 = time.perf_counter()
-            self._failing(step.step_id, lambda: self._rings.wait_ack(handle, self._check, self.step_timeout_s))
+            check = self._check if meanwhile is None else lambda: (self._check(), meanwhile())
+            joined = self._failing(step.step_id, lambda: self._rings.wait_ack(handle, check, self.step_timeout_s))
+            self.last_joined = {h for h in self._joins if h[0] in joined}
             self.last_wait_s = time.perf_counter() - t0
         return handle
 
-    def _send(self, step: StepInput, ack: bool):
+    def join(self, step: StepInput):
+        """Send ``step`` (first chunks of new requests) to run with the step ``submit`` waits on, if the workers
+        have not taken it yet (``last_joined`` says); a handle for ``collect``."""
+        handle = self._send(step, JOIN)
+        self._joins.append(handle)
+        return handle
+
+    def nudge(self) -> None:
+        """From another thread: make a waiting ``submit`` call its ``meanwhile`` now."""
+        rings = self._rings
+        if rings is not None:
+            rings.reader.nudge()
+
+    def _send(self, step: StepInput, kind: int):
         from workers.wire import encode_step
         payload = encode_step(step)              # RequestError naming a chunk msgpack cannot carry
         self.last_payload_bytes = len(payload) * len(self.actors)
         self.last_wait_s = 0.0
         if self._rings is not None:
-            return self._failing(step.step_id, lambda: self._rings.send(payload, ack, self.step_timeout_s)), step.step_id
+            return self._failing(step.step_id, lambda: self._rings.send(payload, kind, self.step_timeout_s)), step.step_id
         refs, hidden = [], None
         for ranks in self._stages:
             stage = [a.execute.remote(payload, hidden) for a in ranks]
@@ -334,15 +360,19 @@ class _Rings:
                 roles.append(role)
         return roles
 
-    def send(self, payload: bytes, ack: bool, timeout: float) -> int:
-        from workers.runtime.step_loop import STEP, STEP_ACK, frame
+    def send(self, payload: bytes, kind: int, timeout: float) -> int:
+        from workers.runtime.step_loop import frame
         seq = next(self._seq)
-        self.steps.send(frame(STEP_ACK if ack else STEP, seq, payload), timeout=timeout)
+        self.steps.send(frame(kind, seq, payload), timeout=timeout)
         return seq
 
-    def wait_ack(self, handle, check, timeout: float) -> None:
+    def wait_ack(self, handle, check, timeout: float) -> set[int]:
+        """Once the workers took the step: the sequence numbers of the joiners they took with it."""
+        import msgpack
+
         from workers.runtime.step_loop import ACK
-        self._wait(handle[0], ACK, check, timeout)
+        body = self._wait(handle[0], ACK, check, timeout)
+        return set(msgpack.unpackb(body)) if body else set()
 
     def wait_output(self, handle, check, timeout: float) -> bytes:
         from workers.runtime.step_loop import OUTPUT

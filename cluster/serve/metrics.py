@@ -24,6 +24,8 @@ _METRICS = (
     ("swakv_delta_bytes_total", "delta_bytes", "counter", "Encoded block-table delta bytes sent to workers."),
     ("swakv_worker_restarts_total", "worker_restarts", "counter", "Worker-group restarts after a failure."),
     ("swakv_recomputed_requests_total", "recomputed_requests", "counter", "Requests recomputed after a restart."),
+    ("swakv_joined_requests_total", "joined_requests", "counter",
+     "Requests whose first chunk joined a step already sent to the workers (late joiners)."),
     ("swakv_kv_host_blocks", "kv_host_blocks", "gauge", "Host KV tier size in host units (0: no host tier)."),
     ("swakv_kv_host_blocks_stored_total", "kv_host_blocks_stored", "counter",
      "KV blocks copied from device to the host tier (copies reported done)."),

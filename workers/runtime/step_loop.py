@@ -14,24 +14,34 @@ that asks for an acknowledgement (``ACK``: the engine's ``submit``, which must k
 step before it schedules the next) is acknowledged by the worker's ``execute`` once its checks passed
 (``on_checked``), so a step is checked once, not checked and then run.
 
+Late joiners (``JOIN``): a step the engine wrote while the step before it (a ``STEP_ACK``) waited in the ring,
+holding the first chunks of requests that arrived meanwhile. A worker that finds it in the ring when it takes
+that step runs both as one step (their chunks in one batch) and says so in the acknowledgement (its body:
+the sequence numbers joined), then answers each with its own rows. One found later is dropped unread: the
+engine learned from the acknowledgement that it did not join, and schedules its requests again. Only a ring
+with a single reader carries joiners (the engine's choice): two readers could disagree about what joined.
+
 Frames: a 9-byte header (kind, the engine's sequence number of the step) then the body. Plain Python,
 no Ray: ``cluster.ray.worker_actor`` runs it in a worker actor.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import struct
 import time
 
-from workers.protocol import StepOutput
+import msgpack
+
+from workers.protocol import StepInput, StepOutput
 from workers.wire import decode_step, encode_output
 from workers.shm_channel import ChannelClosed, ChannelError, ChannelHandle, ShmBroadcast, ShmReader
 
 log = logging.getLogger("swakv.worker")
 
 HEADER = struct.Struct("<BQ")
-STEP, STEP_ACK, HIDDEN, ERROR, ACK, OUTPUT = range(1, 7)   # frame kinds
+STEP, STEP_ACK, HIDDEN, ERROR, ACK, OUTPUT, JOIN = range(1, 8)   # frame kinds
 SPIN_S = 0.0        # spinning before sleeping does not pay when workers share cores (docs/performance.md)
 POLL_S = 1.0        # a sleeping worker checks this often that the engine (or the stage before) is alive
 
@@ -88,8 +98,19 @@ class StepLoop:
     def run(self) -> None:
         """Steps until the engine closes the ring (or dies, or a peer does: the engine sees it too)."""
         try:
+            ahead = None                           # a message read while looking for joiners
             while True:
-                self.step(self.steps.recv())
+                message, ahead = ahead or self.steps.recv(), None
+                if message[0] == JOIN:
+                    continue                       # its step was taken without it: dropped (module doc)
+                joiners = []
+                if message[0] == STEP_ACK:
+                    while (later := self.steps.try_recv()) is not None:
+                        if later[0] != JOIN:
+                            ahead = later
+                            break
+                        joiners.append(later)
+                self.step(message, joiners)
         except ChannelClosed:
             pass
         except ChannelError as exc:
@@ -97,7 +118,8 @@ class StepLoop:
         finally:
             self.close()
 
-    def step(self, message: bytes) -> None:
+    def step(self, message: bytes, joiners: list[bytes] = ()) -> None:
+        """Run one step (with the ``joiners`` found behind it, if they pass the checks with it)."""
         started = time.perf_counter()
         kind, seq, body = unframe(message)
         failed, hidden = None, None               # failed: the pickled error to pass on
@@ -112,10 +134,11 @@ class StepLoop:
         if failed is None:
             try:
                 step = decode_step(body)
+                step, joined = self._join(step, joiners)
                 ack = None
                 if kind == STEP_ACK and self.replies is not None:   # once its checks pass; a refusal
-                    ack = lambda: self.replies.send(frame(ACK, seq))   # before it: the engine's submit raises it
-                out = self.worker.execute(step, hidden, on_checked=ack)
+                    ack = lambda: self.replies.send(frame(ACK, seq, msgpack.packb([s for s, _ in joined])))
+                out = self.worker.execute(step, hidden, on_checked=ack)   # before it: the engine's submit raises it
             except Exception as exc:  # noqa: BLE001 - every failure goes to the engine, which decides
                 failed = dump_error(exc, self.name)
         if failed is not None:
@@ -126,7 +149,27 @@ class StepLoop:
             self.downstream.send(frame(HIDDEN, seq, b"" if isinstance(out, StepOutput) else _dump_tensor(out)))
         elif self.replies is not None:
             out.worker_time_s = time.perf_counter() - started   # what the engine predicts the next one from
+            for join_seq, rows in joined:
+                self.replies.send(frame(OUTPUT, join_seq, encode_output(_take_rows(out, rows, join_seq))))
             self.replies.send(frame(OUTPUT, seq, encode_output(out)))
+
+    def _join(self, step: StepInput, joiners: list[bytes]) -> tuple[StepInput, list[tuple[int, set[str]]]]:
+        """``step`` with the joiners' chunks and compositions appended, if the worker's checks pass on that
+        (else ``step`` alone: the joiners are dropped); and per joiner, its sequence number and requests."""
+        if not joiners or self.replies is None or not hasattr(self.worker, "check"):
+            return step, []
+        merged, joined = step, []
+        for message in joiners:
+            _, join_seq, body = unframe(message)
+            extra = decode_step(body)
+            merged = dataclasses.replace(merged, chunks=merged.chunks + extra.chunks,
+                                         compositions=merged.compositions + extra.compositions)
+            joined.append((join_seq, {c.request_id for c in extra.chunks}))
+        try:
+            self.worker.check(merged)
+        except Exception:  # noqa: BLE001 - the step alone decides what the engine hears
+            return step, []
+        return merged, joined
 
     def _hidden(self, data):
         """An earlier stage's hidden states, on this worker's device; None from simulated stages."""
@@ -140,6 +183,14 @@ class StepLoop:
         for end in self.ends:
             end.close()
         self.ends = []
+
+
+def _take_rows(out: StepOutput, rows: set[str], step_id: int) -> StepOutput:
+    """A joiner's answer: its requests' entries, moved out of the merged step's ``out``."""
+    def take(d: dict) -> dict:
+        return {rid: d.pop(rid) for rid in [r for r in d if r in rows]}
+    return StepOutput(step_id, take(out.sampled), logprobs=take(out.logprobs), failed=take(out.failed),
+                      prompt_logprobs=take(out.prompt_logprobs))
 
 
 def _dump_tensor(tensor) -> bytes:
