@@ -137,7 +137,7 @@ class StepLoop:
                 step, joined = self._join(step, joiners)
                 ack = None
                 if kind == STEP_ACK and self.replies is not None:   # once its checks pass; a refusal
-                    ack = lambda: self.replies.send(frame(ACK, seq, msgpack.packb([s for s, _ in joined])))
+                    ack = lambda: self.replies.send(frame(ACK, seq, msgpack.packb([s for s, _, _ in joined])))
                 out = self.worker.execute(step, hidden, on_checked=ack)   # before it: the engine's submit raises it
             except Exception as exc:  # noqa: BLE001 - every failure goes to the engine, which decides
                 failed = dump_error(exc, self.name)
@@ -149,13 +149,14 @@ class StepLoop:
             self.downstream.send(frame(HIDDEN, seq, b"" if isinstance(out, StepOutput) else _dump_tensor(out)))
         elif self.replies is not None:
             out.worker_time_s = time.perf_counter() - started   # what the engine predicts the next one from
-            for join_seq, rows in joined:
-                self.replies.send(frame(OUTPUT, join_seq, encode_output(_take_rows(out, rows, join_seq))))
+            for join_seq, step_id, rows in joined:
+                self.replies.send(frame(OUTPUT, join_seq, encode_output(_take_rows(out, rows, step_id))))
             self.replies.send(frame(OUTPUT, seq, encode_output(out)))
 
-    def _join(self, step: StepInput, joiners: list[bytes]) -> tuple[StepInput, list[tuple[int, set[str]]]]:
+    def _join(self, step: StepInput, joiners: list[bytes]) -> tuple[StepInput, list[tuple[int, int, set[str]]]]:
         """``step`` with the joiners' chunks and compositions appended, if the worker's checks pass on that
-        (else ``step`` alone: the joiners are dropped); and per joiner, its sequence number and requests."""
+        (else ``step`` alone: the joiners are dropped); and per joiner, its sequence number, step id and
+        requests."""
         if not joiners or self.replies is None or not hasattr(self.worker, "check"):
             return step, []
         merged, joined = step, []
@@ -164,7 +165,7 @@ class StepLoop:
             extra = decode_step(body)
             merged = dataclasses.replace(merged, chunks=merged.chunks + extra.chunks,
                                          compositions=merged.compositions + extra.compositions)
-            joined.append((join_seq, {c.request_id for c in extra.chunks}))
+            joined.append((join_seq, extra.step_id, {c.request_id for c in extra.chunks}))
         try:
             self.worker.check(merged)
         except Exception:  # noqa: BLE001 - the step alone decides what the engine hears
