@@ -267,12 +267,12 @@ class Scheduler:
         return self._close(plan, total - budget)
 
     def schedule_joiners(self, room: int) -> StepPlan | None:
-        """Late joiners of the step just launched (``workers.runtime.step_loop``): first chunks of waiting
+        """Late joiners of the step being launched (``workers.runtime.step_loop``): first chunks of waiting
         requests, within ``room`` tokens. Only requests never admitted before, and none that would preempt
-        (those wait for the next step); None when none fits. Not with a host tier (a hit from host loads
-        in a step of its own). The joiners run in the same
-        batch as that step, so it must read no block they could take: the engine sends joiners only behind
-        a step of fed decodes (whose new tokens complete no cached block)."""
+        (those wait for the next step); None when none fits. The joiners run in the same batch as that step,
+        so it must read no block they could take: the engine sends joiners only behind a step of fed decodes
+        (whose new tokens complete no cached block), and never with a host tier (a hit from host loads in a
+        step of its own)."""
         if self._suspects or room <= 0:
             return None
         plan = StepPlan(StepInput(self._step_id, []), joiner=True)
