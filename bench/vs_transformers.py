@@ -20,8 +20,9 @@ weights, the outputs are the same; the table's ``out tok`` column shows what cam
 
 Figures per run, from guidellm's JSON: TTFT p50 and ITL p50 (guidellm's medians over the requests),
 req/s and output tok/s (successful requests and their output tokens over guidellm's measured
-duration, the first request's start to the last one's end), and the 1-minute load average before and
-after. Then the swakv / transformers ratio of the medians over the runs, each server's spread over its
+duration, the first request's start to the last one's end), the 1-minute load average before and
+after, and the steal time over the run (/proc/stat: the share of CPU time the hypervisor gave to other
+guests, on a shared VM). Then the swakv / transformers ratio of the medians over the runs, each server's spread over its
 runs (max / min - 1), each round's own ratio (its two servers run minutes apart, so the machine's drift
 between rounds stays out of it), and whether each goal is met (on the medians). One JSON line per run
 (``--jsonl``).
@@ -178,6 +179,18 @@ class Run:
     load_before: float
     load_after: float
     wall_s: float
+    steal: float = float("nan")     # share of the CPU time the hypervisor gave to others during the run
+
+
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (/proc/stat's first line: user .. steal)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:9]]
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    delta = [b - a for a, b in zip(before, after)]
+    return delta[7] / sum(delta) if sum(delta) else float("nan")
 
 
 def mode_requests(args, mode: str) -> int:
@@ -200,10 +213,10 @@ def guidellm(args, server: Server, mode: str, run: int, workdir: str) -> Run:
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                GUIDELLM__MAX_WORKER_PROCESSES=str(args.client_processes))
-    load_before, t0 = os.getloadavg()[0], time.monotonic()
+    load_before, t0, cpu0 = os.getloadavg()[0], time.monotonic(), cpu_times()
     with open(out[:-5] + ".log", "w") as logf:
         rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=args.client_timeout).returncode
-    wall, load_after = time.monotonic() - t0, os.getloadavg()[0]
+    wall, load_after, steal = time.monotonic() - t0, os.getloadavg()[0], steal_share(cpu0, cpu_times())
     if rc != 0:
         raise RuntimeError(f"guidellm exited {rc} against {server.name} ({mode}); log: {out[:-5]}.log")
     bench = json.load(open(out))["benchmarks"][0]
@@ -217,7 +230,7 @@ def guidellm(args, server: Server, mode: str, run: int, workdir: str) -> Run:
                req_s=len(done) / duration, out_tok_s=sum(out_tokens) / duration,
                ok=totals["successful"], errored=totals["errored"] + totals["incomplete"],
                out_tokens_mean=statistics.fmean(out_tokens) if out_tokens else 0.0,
-               load_before=load_before, load_after=load_after, wall_s=wall)
+               load_before=load_before, load_after=load_after, wall_s=wall, steal=steal)
 
 
 class HeavyLock:
@@ -280,11 +293,11 @@ def pct(x: float) -> str:
 
 def report(runs: list[Run], args) -> list[str]:
     lines = [f"{'server':<13}{'mode':<6}{'run':>4}{'TTFT p50 ms':>13}{'ITL p50 ms':>12}{'req/s':>8}"
-             f"{'out tok/s':>11}{'ok':>5}{'fail':>6}{'out tok':>9}{'load 1m':>13}"]
+             f"{'out tok/s':>11}{'ok':>5}{'fail':>6}{'out tok':>9}{'load 1m':>13}{'steal':>7}"]
     for r in runs:
         lines.append(f"{r.server:<13}{r.mode:<6}{r.run:>4}{r.ttft_p50_ms:>13.1f}{r.itl_p50_ms:>12.2f}{r.req_s:>8.2f}"
                      f"{r.out_tok_s:>11.1f}{r.ok:>5}{r.errored:>6}{r.out_tokens_mean:>9.1f}"
-                     f"{r.load_before:>7.2f}->{r.load_after:<5.2f}")
+                     f"{r.load_before:>7.2f}->{r.load_after:<5.2f}{pct(r.steal):>7}")
     metrics = ("ttft_p50_ms", "itl_p50_ms", "req_s", "out_tok_s")
     cell = {}
     for r in runs:
