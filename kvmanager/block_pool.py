@@ -12,7 +12,7 @@ Unit 0 is the null block: it stands in tables for dropped entries and is never a
 A block whose count reaches zero joins the free queue but keeps its hash (lazy eviction): a later prefix
 hit takes it back out, and only reuse for new content forgets its hash. Which free block is reused first
 is the eviction policy, all of it in ``free_queue``; the callers that release blocks tell it where a hit
-could still land on them. A block's hash is entered in ``cache`` and forgotten in ``_uncache`` (and by
+could still land on them. A block's hash is entered in ``cache`` and forgotten in ``uncache`` (and by
 ``reset_prefix_cache``): the only two places the prefix cache changes.
 ``events`` (optional, None by default) is told when a hash enters a group's cache (``stored``), when the
 last block holding it is reused (``removed``) and when the cache is reset (``cleared``): a data-parallel
@@ -93,7 +93,7 @@ class BlockPool:
             if width == 1:
                 block = free.pop_empty_unit()
                 if block is not None and block.block_hash is not None:
-                    self._uncache(block)
+                    self.uncache(block)
             else:
                 units = free.pop_empty_run(group)
                 block = None if units is None else self._fresh(group, units)
@@ -114,7 +114,7 @@ class BlockPool:
                 if len(entries) == 1 and (first.kind == group or (width == 1 and first.kind < 0)):
                     block = first          # a same-kind composite (or a loose unit for a width-1 group) as is
                     if block.block_hash is not None:
-                        self._uncache(block)
+                        self.uncache(block)
                 elif free.fresh:           # k loose units that hold nothing: nothing to forget or dissolve
                     block = first
                     block.kind, block.units = group, tuple([e.block_id for e in entries])
@@ -138,7 +138,7 @@ class BlockPool:
         units: list[int] = []
         for entry in entries:
             if entry.block_hash is not None:
-                self._uncache(entry)
+                self.uncache(entry)
             if entry.kind < 0:
                 units.append(entry.block_id)
             else:                        # dissolved: every unit is loose again
@@ -200,10 +200,7 @@ class BlockPool:
             entry[block.block_id] = block
 
     def uncache(self, block: Block) -> None:
-        """Forget a held block's hash: its content will never be what the hash says (no later lookup finds it)."""
-        self._uncache(block)
-
-    def _uncache(self, block: Block) -> None:
+        """Forget a block's hash: reused for new content, or (held) it will never be what the hash says."""
         entry = self._cached[block.group][block.block_hash]
         del entry[block.block_id]
         if not entry:

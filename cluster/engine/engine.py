@@ -252,8 +252,8 @@ class Engine:
 
     def _submit(self, plan: StepPlan, joiners: list):
         """``executor.submit``; behind a step of fed decodes, requests arriving meanwhile join it (module doc)."""
-        if not (self.take_arrivals is not None and _fed_decodes(plan) and not self.config.num_host_blocks
-                and getattr(self.executor, "supports_joins", False)):
+        if not (self.take_arrivals is not None and getattr(self.executor, "supports_joins", False)
+                and not self.config.num_host_blocks and _fed_decodes(plan)):
             return self.executor.submit(plan.step)
 
         def meanwhile():

@@ -509,10 +509,10 @@ class Scheduler:
         chunk out, so the rest of the step can run again as it is. None if the step has no such chunk."""
         for i, chunk in enumerate(plan.step.chunks):
             if chunk.request_id == request_id:
+                seq = plan.scheduled[i]
                 del plan.step.chunks[i], plan.scheduled[i]
                 plan.num_tokens -= len(chunk.token_ids)
-                seq = self.sequences.get(request_id)
-                if seq is not None and seq.status == "running":   # its blocks were cached when allocated
+                if seq.status == "running":   # its blocks were cached when allocated
                     self.manager.uncache_from(seq.req, chunk.start_pos)
                 self.fail(request_id, "error", error)
                 return SequenceUpdate(request_id, [], True, "error", error=error)
