@@ -53,7 +53,7 @@ def hit_units(mgr, req, h: int) -> int:
 
 
 def install() -> None:
-    uncache, add, admit, choose = BlockPool._uncache, Scheduler.add, Scheduler._admit, router_mod.PrefixAware.choose
+    uncache, add, admit, choose = BlockPool.uncache, Scheduler.add, Scheduler._admit, router_mod.PrefixAware.choose
 
     def _uncache(self, block):
         evicted[(id(self), block.group, block.block_hash)] = tier_of(self, block)
@@ -90,7 +90,7 @@ def install() -> None:
             admitted[seq.request_id] = (a, h, lost, free_before, len(self.waiting))
         return n
 
-    BlockPool._uncache, Scheduler.add, Scheduler._admit = _uncache, _add, _admit
+    BlockPool.uncache, Scheduler.add, Scheduler._admit = _uncache, _add, _admit
     router_mod.PrefixAware.choose = _choose
 
 

@@ -253,7 +253,7 @@ def test_a_cold_prompt_goes_to_the_least_work_and_a_sliding_hit_needs_only_the_w
     req = Request("x", PROMPT)
     for h in req.block_hashes(4)[:10]:           # evict blocks 0..9 by hand, as reuse would
         for block in list(engine.manager.pool._cached[0].get(h, {}).values()):
-            engine.manager.pool._uncache(block)
+            engine.manager.pool.uncache(block)
     pub.flush()
     follow(replica.index, pub)
     ask = PromptHashes(PROMPT + [0])
