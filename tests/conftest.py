@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # every Ray process binds 127.0.0.1
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("RAY_worker_niceness", "0")    # actors at the tests' priority, as the server runs them
 # Ray's worker processes inherit this and import the project's packages from the checkout.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 # Without a GPU, Triton kernels can only run under the interpreter, which must be chosen before anything

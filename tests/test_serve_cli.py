@@ -21,9 +21,29 @@ def raylets() -> set[int]:
     return {int(p) for p in out.split()}
 
 
+def ray_descendants(pid: int) -> dict[int, tuple[str, int]]:
+    """{pid: (process title, niceness)} of the Ray worker processes (titled ``ray::...``) below ``pid``."""
+    parent, stat = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode()
+            except (OSError, IndexError):
+                continue                         # gone meanwhile
+            parent[int(entry.name)] = int(fields[1])
+            stat[int(entry.name)] = (title, int(fields[16]))   # fields 4 and 19 of stat(5): ppid, nice
+    below, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - below
+        below |= frontier
+    return {p: stat[p] for p in below if stat[p][0].startswith("ray::")}
+
+
 def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtime():
     before = raylets()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_worker_niceness", None)         # the conftest's; the server must choose it itself
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", "--port", str(PORT), "--num-cpus", "2"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -40,6 +60,10 @@ def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtim
         r = httpx.post(f"http://127.0.0.1:{PORT}/v1/completions", timeout=60,
                        json={"model": "swakv-tiny-hybrid", "prompt": "The ", "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        # the serving path runs at the operator's priority, not Ray's default nice 15 for workers
+        actors = ray_descendants(proc.pid)
+        assert {"ray::EngineService", "ray::WorkerActor"} <= {title.split(".")[0] for title, _ in actors.values()}
+        assert {nice for _, nice in actors.values()} == {0}, actors
         proc.send_signal(signal.SIGINT)
         proc.send_signal(signal.SIGINT)          # an impatient operator, or a wrapper that forwards it too
         out, err = proc.communicate(timeout=120)

@@ -14,7 +14,10 @@ from .engine_actor import ENGINE_ACTOR_NAME, NAMESPACE, EngineService
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",   # keep every Ray process on 127.0.0.1
            "RAY_USAGE_STATS_ENABLED": "0",
-           "GLOO_SOCKET_IFNAME": "lo"}
+           "GLOO_SOCKET_IFNAME": "lo",
+           # The raylet starts worker processes at nice 15, and every actor of the serving path is one: any
+           # other process on the node (a client, a log shipper) would then outrank the server for the CPU.
+           "RAY_worker_niceness": "0"}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = False):
