@@ -64,9 +64,9 @@ class Trace:
         q = self.queue
         if q.floor.follow_lru:
             return "LRU below the floor" if q.floor.reference is q.floor.dense else "sparse LRU below the floor"
-        if q._votes >= THRESHOLD:
-            return "youngest-first"
-        return "tiers, tier 3 by count" if q._frequency_first() else "tiers"
+        if q._frequency_first():        # it ranks tier 3 whatever the release order is
+            return "tiers, tier 3 by count"
+        return "youngest-first" if q._votes >= THRESHOLD else "tiers"
 
     def _where(self, entry) -> str:
         q, b = self.queue, entry.bin

@@ -52,16 +52,18 @@ than chains-first would have cost chains' reuses (a chain hit after more proven 
 chain units waited ahead of it; a chain it evicted, missed, weighs two): where chains never come back
 (one-off questions after shared documents or system prompts) they make room for what does.
 
-**Full attention: the frequency order**, in doubt until shown. Where every group needs the whole prefix,
+**Full attention: the frequency order.** Where every group needs the whole prefix,
 a block's worth is the later prompts that contain its chain (a retrieved document's, a shared prompt's;
 not a one-off question's), and a deeper block is never worth more than one above it. So hashes cached
-are counted (later admissions whose prompts contained them; four pools' worth of hashes remembered) and,
-unless tier 3 evicts youngest-first, it may evict by class instead of by release (contained in no later
-prompt, in one, in ``REPEATED`` or more), the deepest block first in each, then the oldest. Ghosts tell
-the two apart: a lookup missing a block the release order evicted while a lower class waited votes for the
-frequency order; one missing a block the frequency order evicted that the release order would still hold
-(within tier 3's volume), two against. It acts while the votes are positive (they start at 0). Sliding
-groups are left out: their hits need the window at a chain's end, the deepest blocks.
+are counted (later admissions whose prompts contained them; four pools' worth of hashes remembered), and
+tier 3 may evict by class instead of by release (contained in no later prompt, in one, in ``REPEATED`` or
+more), the deepest block first in each, then the oldest. While follow-ups have not shown (the answer claim,
+tier 2 above, is not refuted) it does, whatever tier 3's own order: a chain no request extends is worth
+the prompts that contain it, not its release. Otherwise ghosts tell the two apart: a lookup missing a block
+the release order evicted while a lower class waited votes for the frequency order; one missing a block the
+frequency order evicted that the release order would still hold (within tier 3's volume), two against; it
+acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. Sliding groups are
+left out: their hits need the window at a chain's end, the deepest blocks.
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -733,9 +735,13 @@ class FreeQueue:
             p = next(proven, None)
 
     def _frequency_first(self) -> bool:
-        """Tier 3 follows the frequency order now (not below the floor, where LRU's order rules)."""
-        return (self._frequency_votes > 0 and self._votes < THRESHOLD and self.frequency
-                and not self.floor.follow_lru)
+        """Tier 3 follows the frequency order now (not below the floor, where LRU's order rules): while the
+        answer claim is not refuted (follow-ups have not shown), whatever order tier 3 keeps, since a chain
+        no follow-up extends is worth the later prompts that contain it, not its release; else while the
+        ghosts prefer it to the release order."""
+        return (self.frequency and not self.floor.follow_lru
+                and (self._wanted[ANSWER] * DOUBT <= self._claimed[ANSWER]
+                     or self._frequency_votes > 0 and self._votes < THRESHOLD))
 
     def _frequency_key(self, entry) -> int:
         return min(REPEATED, self._counts.get(entry.block_hash, 0))

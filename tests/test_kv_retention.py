@@ -297,10 +297,12 @@ def test_a_finished_chain_keeps_its_blocks_below_a_fork_apart_from_its_own_tail(
     assert mgr.allocate_slots(b, 2, 4, hit) == ([1, 2, 3, 4, 7, 8],)       # never-used 7, 8
     b.num_computed_tokens = 6
     mgr.free(b)                                           # b's chain 8, 7 (its blocks 0..3 are a's: proven)
-    # six new blocks: the 4 never used (9..12), then the oldest chain, a's tail 6, 5
-    assert run_step(mgr, Request("x", [50] * 6), 6) == ([9, 10, 11, 12, 6, 5],)
-    assert mgr.get_computed_blocks(Request("a2", [1, 2, 3, 4, 5, 6]))[1] == 4
-    assert mgr.get_computed_blocks(Request("b2", [1, 2, 3, 4, 7, 8, 9]))[1] == 6
+    # six new blocks: the 4 never used (9..12), then two of tier 3 in the frequency order (full attention, and
+    # no follow-up has shown): of the blocks no later prompt contained (both chains'; b's prompt contained
+    # a's 1..4), the deepest first, the older first among them: a's 6, then b's 8. The proven 1..4 stay.
+    assert run_step(mgr, Request("x", [50] * 6), 6) == ([9, 10, 11, 12, 6, 8],)
+    assert mgr.get_computed_blocks(Request("a2", [1, 2, 3, 4, 5, 6]))[1] == 5
+    assert mgr.get_computed_blocks(Request("b2", [1, 2, 3, 4, 7, 8, 9]))[1] == 5
 
 
 def test_a_preempted_requests_blocks_wait_as_proven_and_serve_its_resumption():
@@ -608,12 +610,21 @@ def test_a_chain_hit_after_lru_would_have_evicted_it_stays_among_the_young_chain
     assert q.ids() == [9, 11, 10]                   # youngest first: the chain just released goes first
 
 
+def _follow_ups_shown(q: FreeQueue) -> None:
+    """A hit takes back a free answer (clock 1): follow-ups come, the answer claim is refuted, and only the
+    ghosts' duel can turn tier 3 to the frequency order."""
+    (answer,) = _blocks(90, 1, "a")
+    q.add_released([(answer, None)])
+    q.remove(answer)
+
+
 def _frequency_queue():
-    """Full attention, tier 3 in the release order: a document's block (hash contained in two later prompts,
-    parent ``sys``) released at clock 1, a one-off question's at clock 2; the release order evicts the
-    document first, while the question, of a lower class, waited. Returns the queue and both blocks."""
+    """Full attention, follow-ups shown, tier 3 in the release order: a document's block (hash contained in
+    two later prompts, parent ``sys``) released at clock 2, a one-off question's at clock 3; the release order
+    evicts the document first, while the question, of a lower class, waited. Returns the queue and both blocks."""
     q = FreeQueue([], (1,))
     q.frequency = True
+    _follow_ups_shown(q)
     (doc,), (question,) = _blocks(1, 1, "d"), _blocks(2, 1, "q")
     q.seen(doc.block_hash)
     q.seen(question.block_hash)
@@ -638,8 +649,8 @@ def test_a_lookup_missing_a_block_the_release_order_evicted_before_a_lower_class
     q.referenced([doc2.block_hash])
     tail.depth = 5                                  # deeper than the question: it goes first of class 0
     doc2.depth = 3                                  # (had the question counted once, it would go after doc2)
-    _release(q, [doc2])                             # clock 3
-    _release(q, [tail])                             # clock 4
+    _release(q, [doc2])                             # clock 4
+    _release(q, [tail])                             # clock 5
     assert q.ids() == [4, 2, 3]                     # by release (LRU) it would be [2, 3, 4]
     assert q.take(0) == [tail]
 
@@ -651,14 +662,14 @@ def test_a_lookup_missing_a_block_the_frequency_order_evicted_that_the_release_o
     q.seen(tail.block_hash)
     q.learn(b"turn", tail.block_hash)
     tail.depth = 5
-    _release(q, [tail])                             # clock 3; the question waits from clock 2
+    _release(q, [tail])                             # clock 4; the question waits from clock 3
     assert q.take(0) == [tail]                      # class 0, the deepest first
     # a follow-up wants it at distance 0, within what tier 3 holds: the release order still held it
     q.note_lookup([b"turn", tail.block_hash].__getitem__, 0, 2)
     (doc2,) = _blocks(4, 1, "d")
     q.seen(doc2.block_hash)
     q.referenced([doc2.block_hash])
-    _release(q, [doc2])                             # clock 4
+    _release(q, [doc2])                             # clock 5
     assert q.ids() == [2, 4]                        # by release (LRU) again; frequency would give the same
     (doc3,) = _blocks(5, 1, "d")
     q.seen(doc3.block_hash)
@@ -666,9 +677,34 @@ def test_a_lookup_missing_a_block_the_frequency_order_evicted_that_the_release_o
     q.referenced([doc3.block_hash])
     question2, = _blocks(6, 1, "q")
     q.seen(question2.block_hash)
-    _release(q, [doc3])                             # clock 5
-    _release(q, [question2])                        # clock 6
+    _release(q, [doc3])                             # clock 6
+    _release(q, [question2])                        # clock 7
     assert q.ids() == [2, 4, 5, 6]                  # by release, not by class (frequency: [2, 6, 4, 5])
+
+
+def test_until_follow_ups_show_the_frequency_order_ranks_tier_3_even_while_it_keeps_old_chains():
+    # rag over full attention: one-off questions after shared documents. Ghosts of evicted chains turned tier
+    # 3 to keeping old chains (youngest first), but no request has been followed up: a chain no follow-up
+    # extends is worth the later prompts that contain it, so tier 3 goes by class. A hit on a free answer
+    # (a follow-up) refutes that, and youngest-first rules again.
+    q = FreeQueue([], (1,))
+    q.frequency = True
+    for lookup in _evicted_chains(q, 1, THRESHOLD):
+        lookup()                                    # keeping old chains; clock 4, horizon 3
+    (doc,), (question,), (doc2,) = _blocks(5, 1, "d"), _blocks(6, 1, "q"), _blocks(7, 1, "d")
+    for b in (doc, question, doc2):
+        q.seen(b.block_hash)
+    q.referenced([doc.block_hash])
+    q.referenced([doc.block_hash])                  # contained in two later prompts
+    q.referenced([doc2.block_hash])                 # in one; the question in none
+    for b in (doc, question, doc2):
+        _release(q, [b])                            # clock 5, 6, 7
+    assert q.ids() == [6, 7, 5]                     # by class; youngest first would be [7, 6, 5]
+    (answer,) = _blocks(8, 1, "a")
+    q.add_released([(answer, None)])                # clock 8: an answer (the claim in doubt: in its chain)
+    q.remove(answer)                                # a follow-up takes it back: follow-ups come
+    assert q.ids() == [7, 6, 5]                     # youngest first
+    assert q.take(0) == [doc2]
 
 
 def test_only_models_whose_every_group_needs_the_whole_prefix_keep_counts_for_the_frequency_order():
