@@ -22,8 +22,13 @@ import logging
 import os
 import time
 
+import msgpack
+
 from workers.protocol import StepInput, StepOutput
-from workers.runtime.step_loop import JOIN, STEP, STEP_ACK
+from workers.runtime.step_loop import (ACK, ERROR, JOIN, OUTPUT, POLL_S, SPIN_S, STEP, STEP_ACK, frame, load_error,
+                                       unframe)
+from workers.shm_channel import ChannelError, ChannelTimeout, ShmBroadcast, ShmReader, ShmSegment, process_alive
+from workers.wire import decode_output, encode_step
 
 from cluster.engine.engine import WorkerFailure
 
@@ -247,7 +252,6 @@ class RayExecutor:
             rings.reader.nudge()
 
     def _send(self, step: StepInput, kind: int):
-        from workers.wire import encode_step
         payload = encode_step(step)              # RequestError naming a chunk msgpack cannot carry
         self.last_payload_bytes = len(payload) * len(self.actors)
         self.last_wait_s = 0.0
@@ -265,7 +269,6 @@ class RayExecutor:
         request id), or ``WorkerFailure``."""
         import ray
 
-        from workers.wire import decode_output
         t0 = time.perf_counter()
         try:
             if self._rings is not None:
@@ -283,7 +286,6 @@ class RayExecutor:
     @staticmethod
     def _failing(step_id: int, call):
         """``call()``, a lost or silent worker on the rings raised as ``WorkerFailure``."""
-        from workers.shm_channel import ChannelError
         try:
             return call()
         except ChannelError as exc:
@@ -292,7 +294,6 @@ class RayExecutor:
     def _check(self) -> None:
         """Every worker of this node alive (checked while waiting: a dead rank may not be the one that
         answers, and its peers would wait for it in a collective)."""
-        from workers.shm_channel import process_alive
         dead = [name for name, pid in zip(self.worker_names, self.pids) if not process_alive(pid)]
         if dead:
             raise WorkerFailure(f"worker(s) {dead} died")
@@ -323,8 +324,6 @@ class _Rings:
     LINK_SLOT_BYTES = 1 << 20            # hidden states: a chunk of 512 tokens x 5k x 2 bytes is 5 MB
 
     def __init__(self, pp: int, tp: int):
-        from workers.shm_channel import ShmBroadcast, ShmReader, ShmSegment
-        from workers.runtime.step_loop import POLL_S, SPIN_S
         self.pp, self.tp = pp, tp
         self.segments: list = []
         self.steps = self.reader = None
@@ -361,25 +360,19 @@ class _Rings:
         return roles
 
     def send(self, payload: bytes, kind: int, timeout: float) -> int:
-        from workers.runtime.step_loop import frame
         seq = next(self._seq)
         self.steps.send(frame(kind, seq, payload), timeout=timeout)
         return seq
 
     def wait_ack(self, handle, check, timeout: float) -> set[int]:
         """Once the workers took the step: the sequence numbers of the joiners they took with it."""
-        import msgpack
-
-        from workers.runtime.step_loop import ACK
         body = self._wait(handle[0], ACK, check, timeout)
         return set(msgpack.unpackb(body)) if body else set()
 
     def wait_output(self, handle, check, timeout: float) -> bytes:
-        from workers.runtime.step_loop import OUTPUT
         return self._wait(handle[0], OUTPUT, check, timeout)
 
     def _wait(self, seq: int, wanted: int, check, timeout: float):
-        from workers.runtime.step_loop import ACK, ERROR, load_error, unframe
         deadline = time.monotonic() + timeout
         while True:
             answer = self._answers.get(seq)
@@ -391,7 +384,6 @@ class _Rings:
                 return body
             left = deadline - time.monotonic()
             if left <= 0:
-                from workers.shm_channel import ChannelTimeout
                 raise ChannelTimeout(f"no answer from the workers within {timeout:.0f} s")
             kind, got, body = unframe(self.reader.recv(timeout=left, check=check))
             self._answers[got] = (kind, bytes(body))
