@@ -55,6 +55,12 @@ replaced by the simulated LRU (``sim:lru``: vLLM dense's order), and the table s
         --jsonl mine.jsonl && python bench/retention.py --report-from out.jsonl,mine.jsonl  # one cell again
     python bench/retention.py --report-from a.jsonl,b.jsonl   # two seeds' grids: one report, counts summed
     python bench/retention.py --oracle               # tiny instances against the exhaustive best
+    python bench/retention.py --unseen --no-vllm      # settings and workload shapes outside the grid's
+
+``--unseen`` draws every setting from values the grid above never uses (``UNSEEN``: windows 64 to 8192,
+2 to 32 running, chunks 128 to 8192) and each family's own shape (``retention_workloads.drawn_shape``:
+sessions, turns, documents, popularity, every length), so a policy developed on the grid is checked on
+workloads nobody tuned it for; the rows record the shape.
 
 ``--oracle`` runs tiny instances of chat, siblings and agent and searches every eviction choice for the
 best hit rate any policy reaches, next to swakv and simulated LRU. Results: ``bench/results/``.
@@ -77,7 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow  # noqa: E402
 from retention_sim import Belady, Branch, Scripted, SimManager, SimRequest, Spec, chain_hashes  # noqa: E402
 from retention_bound import Timeline, hit_token_bound  # noqa: E402
-from retention_workloads import FAMILIES, Workload, agent, chat, siblings  # noqa: E402
+from retention_workloads import FAMILIES, Workload, agent, chat, drawn_shape, siblings  # noqa: E402
 
 BLOCK = 16
 MAX_MODEL_LEN = 65536
@@ -96,6 +102,9 @@ SINGLE_GROUP = ("full", "sliding")
 GOAL_FAMILIES = ("chat", "agent", "rag")   # >= 1.10x the better vLLM (or the ceiling) at the tightest pools
 TOLERANCE = 0.005                          # every cell: swakv >= the better vLLM - this
 SYSTEMS = ("swakv", "vllm-dense", "vllm-sem", "sim:lru", "clairvoyant")
+# ``--unseen``: settings none of the grids above used (windows of real models among them: gpt-oss's 128 is
+# the grid's, Mistral's 4096 too; 64, 1000 and 8192 are not), each family's own shape drawn as well.
+UNSEEN = dict(window=(64, 256, 512, 1000, 2048, 8192), concurrency=(2, 6, 12, 24, 32), chunk=(128, 1024, 4096, 8192))
 
 
 def windows_of(layout: str, window: int) -> tuple:
@@ -383,12 +392,23 @@ class Draw:
     concurrency: int
     chunk: int
     workload_seed: int
+    unseen: bool = False       # settings from ``UNSEEN``, each family's shape drawn (``workload_of``)
 
 
-def draw_settings(seed: int, draws: int) -> list[Draw]:
+def draw_settings(seed: int, draws: int, unseen: bool = False) -> list[Draw]:
+    if unseen:
+        rng = random.Random(f"retention-unseen/{seed}")
+        return [Draw(d, rng.choice(UNSEEN["window"]), rng.choice(UNSEEN["concurrency"]),
+                     rng.choice(UNSEEN["chunk"]), rng.randrange(1 << 30), True) for d in range(draws)]
     rng = random.Random(f"retention/{seed}")
     return [Draw(d, rng.choice(WINDOWS), rng.choice(CONCURRENCY), rng.choice(CHUNKS), rng.randrange(1 << 30))
             for d in range(draws)]
+
+
+def workload_of(draw: Draw, family: str) -> tuple[Workload, dict]:
+    """The draw's trace of ``family`` and the shape it was built with ({}: the family's defaults)."""
+    shape = drawn_shape(family, random.Random(f"shape/{draw.workload_seed}/{family}")) if draw.unseen else {}
+    return FAMILIES[family](draw.workload_seed, **shape), shape
 
 
 def peak_needs(workload: Workload, windows) -> list[int]:
@@ -431,13 +451,14 @@ def run_unit(job) -> list[dict]:
     """One (draw, family, layout): the ceiling, then every system at every pool size."""
     draw, family, layout, with_vllm, with_lru, only = job
     draw = Draw(**draw)
-    workload = FAMILIES[family](draw.workload_seed)
+    workload, shape = workload_of(draw, family)
     windows = windows_of(layout, draw.window)
     kw = dict(step_tokens=draw.chunk, max_running=draw.concurrency)
     # ``window``: this layout's sliding window (gemma3's own 1024; none for full); ``drawn_window``: the draw's
     base = dict(draw=draw.index, family=family, layout=layout, drawn_window=draw.window,
                 window=draw.window if W in LAYOUTS[layout] else (1024 if layout == "gemma3" else None),
-                concurrency=draw.concurrency, chunk=draw.chunk, workload_seed=draw.workload_seed)
+                concurrency=draw.concurrency, chunk=draw.chunk, workload_seed=draw.workload_seed,
+                **(dict(unseen=True, shape=shape) if draw.unseen else {}))
     rows = []
     clairvoyant = layout in SINGLE_GROUP
     bounded = None in windows and layout not in UNITS      # retention_bound: full attention's hits
@@ -481,7 +502,7 @@ def run_grid(args) -> list[dict]:
     from tqdm import tqdm
     with_vllm = not args.no_vllm and vllm_adapter_class() is not None
     with_lru = args.lru or not with_vllm
-    draws = [d for d in draw_settings(args.seed, args.draws) if args.draw is None or d.index == args.draw]
+    draws = [d for d in draw_settings(args.seed, args.draws, args.unseen) if args.draw is None or d.index == args.draw]
     jobs = [(asdict(d), f, lay, with_vllm, with_lru, args.systems) for d in draws for f in args.families
             for lay in args.layouts]
     out = open(args.jsonl, "w") if args.jsonl else None
@@ -518,13 +539,16 @@ def _fmt(v, width=9, digits=3) -> str:
 def report(rows: list[dict]) -> dict:
     """Every cell side by side, the losing cells, the issue's counts, the gap to the clairvoyant policy; over
     several seeds' rows, each cell named by its seed too and the counts summed over all of them."""
+    # an unseen draw (``--unseen``) is another cell than the same seed's grid draw
+    rows = [dict(r, seed=f"{r.get('seed')} unseen") if r.get("unseen") else r for r in rows]
     by = {(r.get("seed"), r["draw"], r["family"], r["layout"], r["pool_per_group"], r["system"]): r for r in rows}
     systems = set(r["system"] for r in rows)
     base = [s for s in ("vllm-dense", "vllm-sem") if s in systems] or (["sim:lru"] if "sim:lru" in systems else [])
     names = {"vllm-dense": "vLLM dense", "vllm-sem": "vLLM sem.", "sim:lru": "LRU (sim)"}
     seeds = sorted({r.get("seed") for r in rows}, key=str)
     several = len(seeds) > 1
-    print(f"\nseed {', '.join(map(str, seeds))} (replay: --seed {seeds[0]}); hit rate = prefix-cache hit tokens / "
+    replay = str(seeds[0]).replace(" unseen", " --unseen")
+    print(f"\nseed {', '.join(map(str, seeds))} (replay: --seed {replay}); hit rate = prefix-cache hit tokens / "
           f"prompt tokens at first admissions; block {BLOCK}; blocks = pool per group")
 
     def name(seed, d) -> str:
@@ -536,6 +560,9 @@ def report(rows: list[dict]) -> dict:
         r0 = next(r for r in rows if r["draw"] == d and r.get("seed") == seed)
         print(f"{name(seed, d)}: window {r0.get('drawn_window', '?')} (sliding, hybrid; gemma3 keeps its own 1024), "
               f"concurrency {r0['concurrency']}, chunk {r0['chunk']}, workload seed {r0['workload_seed']}")
+        shapes = {r["family"]: r["shape"] for r in rows if r["draw"] == d and r.get("seed") == seed and "shape" in r}
+        for f, shape in sorted(shapes.items()):
+            print(f"  {f}: " + ", ".join(f"{k} {v}" for k, v in shape.items()))
     head = (("      seed" if several else "") + f"{'draw':>4} {'family':<9}{'layout':<8}{'W':>5}{'blocks':>8}"
             + f"{'ceiling':>9}" + "".join(f"{names[s]:>12}" for s in base)
             + f"{'swakv':>9}{'/ best':>9}{'clairv.*':>9}{'bound':>7}{'floor':>7}")
@@ -769,6 +796,8 @@ def main() -> None:
     ap.add_argument("--draw", type=int, default=None, help="run only this draw (0-based) of the seed's draws")
     ap.add_argument("--systems", type=lambda s: s.split(","), default=None,
                     help=f"run only these of {', '.join(SYSTEMS)} (the ceiling always runs)")
+    ap.add_argument("--unseen", action="store_true", help="draw settings outside the grid's (UNSEEN) and each "
+                    "family's own shape (sessions, turns, documents, popularity, lengths): workloads nobody tuned for")
     ap.add_argument("--jsonl", help="write one JSON line per run here")
     ap.add_argument("--report-from", help="only print the report of earlier --jsonl files (comma-separated; a "
                     "later file's run replaces an earlier one's of the same cell and system)")
@@ -803,7 +832,7 @@ def main() -> None:
                 for line in f:
                     if line.strip():
                         r = json.loads(line)
-                        merged[(r.get("seed"), r["draw"], r["family"], r["layout"], r["pool_per_group"],
+                        merged[(r.get("seed"), r.get("unseen"), r["draw"], r["family"], r["layout"], r["pool_per_group"],
                                 r["system"])] = r
         report(list(merged.values()))
         return

@@ -153,10 +153,10 @@ class Trace:
         self._pending = []
 
 
-def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int) -> None:
+def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False) -> None:
     import retention as R
-    d = R.draw_settings(seed, draw + 1)[draw]
-    workload = R.FAMILIES[family](d.workload_seed)
+    d = R.draw_settings(seed, draw + 1, unseen)[draw]
+    workload, _ = R.workload_of(d, family)
     windows = R.windows_of(layout, d.window)
     kw = dict(step_tokens=d.chunk, max_running=d.concurrency)
     num_blocks = pool * len(windows) + 1
@@ -213,10 +213,11 @@ def main() -> None:
     ap.add_argument("--layout", required=True, choices=list(R.LAYOUTS))
     ap.add_argument("--pool", type=int, required=True, help="blocks per group, as the grid prints them")
     ap.add_argument("--every", type=int, default=25, help="admissions between timeline rows (default 25)")
+    ap.add_argument("--unseen", action="store_true", help="the seed's unseen draws (retention.py --unseen)")
     args = ap.parse_args()
     if args.draw < 0 or args.pool < 1 or args.every < 1:
         ap.error("--draw must be >= 0, --pool and --every >= 1")
-    explain(args.seed, args.draw, args.family, args.layout, args.pool, args.every)
+    explain(args.seed, args.draw, args.family, args.layout, args.pool, args.every, args.unseen)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import retention as R  # noqa: E402
-from retention_workloads import FAMILIES  # noqa: E402
 
 BASELINES = ("vllm-dense", "vllm-sem", "sim:lru")
 
@@ -43,10 +42,10 @@ def main() -> None:
             if r["system"] == "swakv" and r.get("floor", {}).get("switches", 0) > 0]
     out, counts = {}, collections.Counter()
     for r in rows:
-        draw = R.draw_settings(r["seed"], r["draw"] + 1)[r["draw"]]
+        draw = R.draw_settings(r["seed"], r["draw"] + 1, r.get("unseen", False))[r["draw"]]
         windows = R.windows_of(r["layout"], draw.window)
         adapter = R.SwakvAdapter(windows, r["pool_per_group"] * len(windows) + 1, units=R.UNITS.get(r["layout"]))
-        stats = R.serve(FAMILIES[r["family"]](draw.workload_seed), adapter, step_tokens=draw.chunk,
+        stats = R.serve(R.workload_of(draw, r["family"])[0], adapter, step_tokens=draw.chunk,
                         max_running=draw.concurrency)
         k = (r["seed"], r["draw"], r["family"], r["layout"], r["pool_per_group"])
         before, after, b = r["hit_rate"], stats["hit_rate"], best.get(k)

@@ -27,6 +27,7 @@ Families (sizes in tokens, each drawn uniformly in the range given):
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -118,13 +119,14 @@ def agent(seed, sessions=24, turns=8, system=2000, task=(100, 400), tool=(100, 1
                        for t in range(turns)] for _ in range(sessions)])
 
 
-def edit(seed, sessions=32, turns=8, first=(200, 1000), message=(30, 400), answer=(50, 400)) -> Workload:
+def edit(seed, sessions=32, turns=8, first=(200, 1000), message=(30, 400), answer=(50, 400), edits=0.5,
+         cut=0.5) -> Workload:
     rng = random.Random(f"edit/{seed}")
     out = []
     for _ in range(sessions):
         ts = []
         for t in range(turns):
-            keep = rng.uniform(0.5, 1.0) if t and rng.random() < 0.5 else 1.0
+            keep = rng.uniform(cut, 1.0) if t and rng.random() < edits else 1.0
             ts.append(Turn(_ids(rng, *(first if t == 0 else message)), _ids(rng, *answer), keep))
         out.append(ts)
     return _sessions(out)
@@ -152,19 +154,20 @@ def zipf(seed, requests=400, sessions=128, exponent=1.1, restart=6000, first=(20
     return Workload(tuple(Session(tuple(ts)) for ts in turns), tuple(order), backlog)
 
 
-def phase(seed) -> Workload:
+def phase(seed, chat_shape=None, siblings_shape=None, agent_shape=None, backlog=24) -> Workload:
     """chat, then shared system prompts, then agent loops: each phase's sessions after the previous one's."""
-    parts = [chat(f"phase/{seed}", sessions=24, turns=4), siblings(f"phase/{seed}", prompts=4, requests=96),
-             agent(f"phase/{seed}", sessions=12, turns=6)]
+    parts = [chat(f"phase/{seed}", **(chat_shape or dict(sessions=24, turns=4))),
+             siblings(f"phase/{seed}", **(siblings_shape or dict(prompts=4, requests=96))),
+             agent(f"phase/{seed}", **(agent_shape or dict(sessions=12, turns=6)))]
     sessions, order = [], []
     for p in parts:
         order += [len(sessions) + i for i in p.order]
         sessions += p.sessions
-    return Workload(tuple(sessions), tuple(order), backlog=24)
+    return Workload(tuple(sessions), tuple(order), backlog=backlog)
 
 
 def rag(seed, requests=240, documents=30, system=(300, 800), document=(200, 1500), question=(20, 150),
-        answer=(20, 200), exponent=1.0) -> Workload:
+        answer=(20, 200), exponent=1.0, most=3) -> Workload:
     rng = random.Random(f"rag/{seed}")
     shared = _ids(rng, *system)
     docs = [_ids(rng, *document) for _ in range(documents)]
@@ -172,7 +175,7 @@ def rag(seed, requests=240, documents=30, system=(300, 800), document=(200, 1500
     out = []
     for _ in range(requests):
         chosen: list[int] = []
-        k = rng.randint(1, 3)
+        k = rng.randint(1, min(most, documents))
         while len(chosen) < k:
             d = draw()
             if d not in chosen:
@@ -184,3 +187,53 @@ def rag(seed, requests=240, documents=30, system=(300, 800), document=(200, 1500
 
 FAMILIES = {"chat": chat, "siblings": siblings, "agent": agent, "edit": edit, "zipf": zipf, "phase": phase,
             "rag": rag}
+
+
+# -- shapes outside the ones above ---------------------------------------------------------------------
+# The families' defaults are the shapes the retention policy was developed on. ``drawn_shape`` draws each
+# family's own parameters from wide ranges instead (how many sessions, turns, documents, how hot the popular
+# ones are, how long every part is), so a check can run the same ideas on workloads nobody tuned for.
+# Traces stay about the size of the defaults' (120-400 requests) so a grid runs in minutes.
+
+def _span(rng: random.Random, lo: float, hi: float, stretch: tuple[float, float] = (1.5, 5.0)) -> tuple[int, int]:
+    """A token range: its low end log-uniform in [lo, hi], its high end that times a drawn stretch."""
+    low = max(1, round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return low, max(low, round(low * rng.uniform(*stretch)))
+
+
+def _conversation(rng: random.Random, requests: int) -> dict:
+    sessions = rng.randint(8, 96)
+    return dict(sessions=sessions, turns=max(2, min(rng.randint(2, 12), requests // sessions)),
+                first=_span(rng, 30, 1500), message=_span(rng, 10, 400), answer=_span(rng, 4, 400))
+
+
+def drawn_shape(family: str, rng: random.Random) -> dict:
+    """Keyword arguments for ``FAMILIES[family]``, drawn with ``rng`` from ranges wider than the defaults'."""
+    if family in ("chat", "edit"):
+        shape = _conversation(rng, rng.randint(150, 400))
+        if family == "edit":
+            shape.update(edits=rng.uniform(0.1, 0.9), cut=rng.uniform(0.0, 0.9))
+        return shape
+    if family == "siblings":
+        return dict(prompts=rng.randint(1, 32), requests=rng.randint(120, 400), system=_span(rng, 100, 4000, (1, 2)),
+                    question=_span(rng, 4, 300), answer=_span(rng, 4, 300))
+    if family == "agent":
+        sessions = rng.randint(4, 48)
+        return dict(sessions=sessions, turns=max(2, min(rng.randint(2, 16), 320 // sessions)),
+                    system=rng.randint(0, 6000), task=_span(rng, 20, 600), tool=_span(rng, 20, 1500),
+                    answer=_span(rng, 4, 300))
+    if family == "zipf":
+        return dict(requests=rng.randint(200, 500), sessions=rng.randint(8, 256), exponent=rng.uniform(0.4, 1.6),
+                    restart=rng.randint(1000, 12000), first=_span(rng, 30, 1500), message=_span(rng, 10, 400),
+                    answer=_span(rng, 4, 400), backlog=rng.randint(4, 64))
+    if family == "phase":
+        conv = _conversation(rng, 120)
+        return dict(chat_shape=conv, siblings_shape=dict(drawn_shape("siblings", rng), requests=rng.randint(40, 120)),
+                    agent_shape=dict(drawn_shape("agent", rng), sessions=rng.randint(4, 16)),
+                    backlog=rng.randint(4, 64))
+    if family == "rag":
+        documents = rng.randint(3, 120)
+        return dict(requests=rng.randint(120, 400), documents=documents, system=_span(rng, 1, 1500, (1, 2)),
+                    document=_span(rng, 50, 2000, (1, 4)), question=_span(rng, 4, 300), answer=_span(rng, 4, 300),
+                    exponent=rng.uniform(0.3, 1.6), most=rng.randint(1, 5))
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")

@@ -47,3 +47,39 @@ def test_two_seeds_with_the_same_draw_and_pools_are_counted_apart_and_named_by_t
     assert "seed 8 draw 0 zipf/sliding/100: swakv" not in out
     table = out[out.index("by family and layout"):].splitlines()
     assert table[1].split() == ["sliding"] and table[2].split() == ["zipf", "1/3"]    # 1 losing cell of 3
+
+
+def test_the_grids_draws_are_those_its_stored_results_were_run_with():
+    # bench/results/retention-grid-2026-12-01-336151821.jsonl: window, running, chunk, workload seed per draw
+    draws = bench.draw_settings(336151821, 3)
+    assert [(d.window, d.concurrency, d.chunk, d.workload_seed, d.unseen) for d in draws] == [
+        (4096, 4, 2048, 820520508, False), (4096, 4, 256, 797801113, False), (1024, 8, 256, 631332858, False)]
+    assert bench.workload_of(draws[0], "rag")[1] == {}
+
+
+def test_unseen_draws_use_no_setting_of_the_grid_and_each_replays_one_trace():
+    draws = bench.draw_settings(336151821, 40, unseen=True)
+    assert all(d.unseen for d in draws)
+    assert not {d.window for d in draws} & set(bench.WINDOWS)
+    assert not {d.concurrency for d in draws} & set(bench.CONCURRENCY)
+    assert not {d.chunk for d in draws} & set(bench.CHUNKS)
+    for family in bench.FAMILIES:
+        a, shape = bench.workload_of(draws[0], family)
+        b, again = bench.workload_of(bench.draw_settings(336151821, 1, unseen=True)[0], family)
+        assert shape and shape == again and a == b
+        assert a != bench.FAMILIES[family](draws[0].workload_seed)     # not the family's default shape
+    shapes = [bench.workload_of(d, "rag")[1] for d in draws]
+    assert len({s["documents"] for s in shapes}) > 20 and min(s["exponent"] for s in shapes) < 0.6
+
+
+def test_an_unseen_draw_is_another_cell_than_the_same_seeds_grid_draw(capsys):
+    computed = {"swakv": 1000, "sim:lru": 1000}
+    unseen = [dict(r, unseen=True, shape={"documents": 5}) for r in _rows(100, {"swakv": 0.30, "sim:lru": 0.40}, computed)]
+    counts = bench.report(_rows(100, {"swakv": 0.50, "sim:lru": 0.40}, computed) + unseen)
+    out = capsys.readouterr().out
+    assert counts["cells"] == 2 and counts["losing"] == 1
+    assert "seed 7 unseen draw 0 zipf/sliding/100: swakv 0.300 < 0.400 - 0.005" in out
+    assert "seed 7 draw 0 zipf/sliding/100: swakv" not in out
+    assert "  zipf: documents 5" in out
+    bench.report(unseen)
+    assert "(replay: --seed 7 --unseen)" in capsys.readouterr().out
