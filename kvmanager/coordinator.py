@@ -289,17 +289,20 @@ class GroupCoordinator:
         self.quiet.pop(request.request_id, None)
         forks = self.pool.free.forks
         fork_ends: dict[int, list[int]] = {}
-        freed = []
+        freed, ends = [], []
         for g in self.groups:
             bs = g.block_size
             if forks and bs not in fork_ends:
                 hashes = request.block_hashes(bs, 0)
                 fork_ends[bs] = [e for e, h in enumerate(hashes, 1) if h in forks]
             answer_from = NEVER if preempted else len(request.prompt_token_ids) // bs
+            end = g.end_block(request) if g.drops else None
+            if end is not None:
+                ends.append(end[:2])
             freed += g.release(request, fork_ends.get(bs, ()), answer_from)
-        if freed:
+        if freed or ends:
             tier = self.pool.tier      # the host tier stores what a hit can still need first
             if tier is None:
-                self.pool.free.add_released(freed, preempted)
+                self.pool.free.add_released(freed, preempted, ends)
             else:
-                tier.add_released(request, freed, preempted)
+                tier.add_released(request, freed, preempted, ends)

@@ -31,7 +31,11 @@ lowest non-empty tier:
    many count for it as against.
 3. **reusable**, in release batches: a finished request's **chain** (its trailing window, its full-attention
    blocks), which its follow-up turn needs; and, apart, blocks **proven** shared (below a fork of their
-   chain, or of a preempted request, which comes back first).
+   chain, or of a preempted request, which comes back first). A window that is not a whole number of
+   blocks reaches, from a hit at a request's end (a block boundary), up to a block further back than its
+   last token did: the block a decoding request dropped last, which a hit at its end would need, waits
+   here in release order while follow-ups come (the answer claim below is not holding), goes where the
+   rest of its drop went at the request's next drop, and joins its chain when it finishes.
 
 Tier 3's order adapts. Plain LRU is the worst order for the common cyclic reuse of sessions (a session's
 next turn queues behind every other session's, so LRU evicts exactly the chain needed next), and the best
@@ -224,10 +228,13 @@ class FreeQueue:
         return self.num_free_units
 
     # -- where freed blocks go -----------------------------------------------------------------
-    def add_dropped(self, blocks, first: int, below_fork, below_prompt_end) -> None:
+    def add_dropped(self, blocks, first: int, below_fork, below_prompt_end, at_end: int = -1) -> None:
         """Blocks a running request dropped (out of its window), in table order from index ``first``; those
         no one else holds wait by where a hit could still end just above them: at a fork of the request's
-        chain (their indices in ``below_fork``), at its prompt end (``below_prompt_end``), nowhere known."""
+        chain (their indices in ``below_fork``), at its prompt end (``below_prompt_end``) or at its own end
+        should it finish now (index ``at_end``: what its follow-up needs, even if a hit had shared it, so
+        kept with the chains unless the answer claim says follow-ups do not come; ``passed_end``), nowhere
+        known."""
         proven = []
         doubted = []
         tiers = self._tiers
@@ -240,8 +247,10 @@ class FreeQueue:
                     self._push(block, tiers[EMPTY])
                 elif i in below_fork:
                     proven.append(block)
-                elif block.shared or i not in below_prompt_end:   # shared: consumed by a hit that
-                    self._claim(block, UNREACHABLE)                # extended the chain
+                elif i == at_end and not self._holds(ANSWER):   # while follow-ups come: tier 3, in release
+                    doubted.append(block)                       # order, until its request moves on
+                elif block.shared or i not in below_prompt_end:
+                    self._claim(block, UNREACHABLE)     # shared: consumed by a hit that extended the chain
                     if trusted:
                         block.due = self._evicted + tiers[UNREACHABLE].units
                         self._push(block, tiers[UNREACHABLE])
@@ -260,6 +269,26 @@ class FreeQueue:
         if proven:
             self._release_batches([], proven)
         self._lru_release(reversed(blocks))      # LRU: a drop releases from the window's edge backwards
+
+    def passed_end(self, block, block_hash: bytes, below_prompt_end: bool) -> None:
+        """A block ``add_dropped`` kept in tier 3 for a hit at its request's end (``at_end``), which the
+        request's next drop has moved past: if it still waits there with that content, it moves to where
+        the rest of its drop went (tier 2 if ``below_prompt_end``, else tier 1), while that claim holds."""
+        if not self._waiting(block, block_hash) or block.bin.batches is None:
+            return
+        tier = SPECULATIVE if below_prompt_end else UNREACHABLE
+        self._claim(block, tier)
+        if self._holds(tier):
+            self._detach(block)
+            block.due = self._evicted + self._tiers[UNREACHABLE].units + (
+                self._tiers[SPECULATIVE].units if tier == SPECULATIVE else 0)
+            self._push(block, self._tiers[tier])
+
+    def _waiting(self, block, block_hash: bytes) -> bool:
+        """Whether ``block`` still waits free with that content (a free entry keeps its bin once taken)."""
+        b = block.bin
+        return (not block.ref_cnt and block.block_hash == block_hash and b is not None
+                and (b.loose if block.kind < 0 else b.composites[block.kind]).get(block.block_id) is block)
 
     def _holds(self, claim: int) -> bool:
         """Whether ``claim`` holds now (tiers 1 and 2: at most one in ``DOUBT`` of its blocks wanted again; the
@@ -313,14 +342,21 @@ class FreeQueue:
             if not copies:          # (a copy cached again since: the real pool lacked nothing)
                 self._wanted[tier] += 1
 
-    def add_released(self, blocks, preempted: bool = False) -> None:
+    def add_released(self, blocks, preempted: bool = False, ends=()) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
         by group, each tail first (so the head of a shared prefix goes last). ``proven``: True below a fork;
         None for its answer (from the block its answer starts in, below no fork); False for the rest of its
-        chain."""
+        chain. ``ends``: ``(block, hash)`` of blocks it dropped that a hit at its end needs (``add_dropped``'s
+        ``at_end``), free since: they join its chain (its proven blocks, if preempted) wherever they wait,
+        so that the window goes as one."""
         chain, proven = [], []
         tiers = self._tiers
         no_follow_ups = self._holds(ANSWER)
+        for block, block_hash in ends:
+            if (preempted or not no_follow_ups) and self._waiting(block, block_hash):
+                self._detach(block)
+                block.claim = 0
+                (proven if preempted else chain).append(block)
         for block, below_fork in blocks:
             if block.block_hash is None:
                 self._push(block, tiers[EMPTY])

@@ -24,6 +24,8 @@ class KVCacheGroup:
         self.tables: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already in the cache
         self._num_dropped: dict[str, int] = {}  # leading null entries of each table (nulls are a prefix)
+        # the dropped block a hit at the request's end still needs: (block, its hash, below the prompt's end)
+        self._at_end: dict[str, tuple[Block, bytes, bool]] = {}
         self.num_held = 0   # distinct blocks this group's tables hold (a block serves one group at a time)
         self.learns_chains = True   # tells the free queue each cached block's parent (one group per block size)
 
@@ -66,7 +68,7 @@ class KVCacheGroup:
         return sum(1 for i in self._droppable(request_id, table, num_computed)
                    if table[i].ref_cnt == 1 and not table[i].pinned)    # pinned: freed by its copy's fence
 
-    def _drop(self, request: Request, table: list[Block], stop: int) -> None:
+    def _drop(self, request: Request, table: list[Block], stop: int, num_computed: int) -> None:
         """Drop the table's real entries below index ``stop`` (the first block the next token needs)."""
         rid = request.request_id
         start = self._num_dropped[rid]
@@ -86,9 +88,20 @@ class KVCacheGroup:
             end = (len(request.prompt_token_ids) - 1) // bs    # a resend's hit (in blocks)
             lowest = max(0, end * bs - free.last_message_tokens)   # or a fork in its last message
             below_end = range(self.spec.first_needed_token(lowest) // bs if start < end else end, end)
+            # or its own end, while decoding: a hit there ends at a block boundary and sees further back than
+            # the next token does, by up to a block when the window is not a whole number of blocks (Phi-3's
+            # 2047); that block is what a follow-up needs if the request finishes before its next drop
+            at_end = stop - 1 if num_computed >= len(request.prompt_token_ids) and \
+                self.spec.first_needed_token((num_computed + 1) // bs * bs) // bs < stop else -1
             below_fork = self._below_forks(request, range(start, stop)) if free.forks else ()
             tier = pool.tier           # the host tier stores what a hit can still need first
-            (free if tier is None else tier).add_dropped(dropped, start, below_fork, below_end)
+            (free if tier is None else tier).add_dropped(dropped, start, below_fork, below_end, at_end)
+            passed = self._at_end.pop(rid, None)     # this drop moved the request's end past it
+            if passed is not None:
+                free.passed_end(*passed)
+            last = dropped[-1]
+            if at_end >= 0 and last.ref_cnt == 0 and last.block_hash is not None:
+                self._at_end[rid] = (last, last.block_hash, at_end in below_end and not last.shared)
 
     def _below_forks(self, request: Request, span: range) -> set[int]:
         """Indices in ``span`` that a hit ending at a fork of the request's chain needs (a lookup or a
@@ -118,7 +131,7 @@ class KVCacheGroup:
         if table:
             stop = self.spec.first_needed_token(num_computed) // self.block_size
             if stop > self._num_dropped[rid]:
-                self._drop(request, table, stop)
+                self._drop(request, table, stop, num_computed)
 
     def append(self, request: Request, hit: list[Block], num_new: int, num_cacheable: int) -> list[int]:
         """Append the (already referenced) hit blocks and ``num_new`` fresh ones, cache what is full;
@@ -209,6 +222,11 @@ class KVCacheGroup:
         drop_at = self.spec.computed_to_reach((self._num_dropped[rid] + 1) * bs) if self.drops else NEVER
         return len(self.tables[rid]) * bs, cache_at, drop_at
 
+    def end_block(self, request: Request) -> tuple[Block, bytes, bool] | None:
+        """The block the request dropped last if a hit at its end needs it (``_drop``'s ``at_end``), with its
+        hash: it belongs with the chain ``release`` is about to free. Call before ``release``."""
+        return self._at_end.pop(request.request_id, None)
+
     def release(self, request: Request, fork_ends: list[int],
                 answer_from: int = NEVER) -> list[tuple[Block, bool | None]]:
         """Release a request's table; return the blocks no one holds any more, tail first, each with
@@ -219,6 +237,7 @@ class KVCacheGroup:
         table = self.tables.pop(rid, None)
         self._num_cached.pop(rid, None)
         dropped = self._num_dropped.pop(rid, 0)
+        self._at_end.pop(rid, None)
         if not table:
             return []
         bs = self.block_size

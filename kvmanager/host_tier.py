@@ -181,29 +181,29 @@ class HostTier:
         self.as_full = False
 
     # -- stores: where a released block goes -----------------------------------------------------
-    def add_dropped(self, blocks, first: int, below_fork, below_end) -> None:
+    def add_dropped(self, blocks, first: int, below_fork, below_end, at_end: int = -1) -> None:
         """``FreeQueue.add_dropped``'s arguments: blocks a hit can still need are stored (pinned until the
         copy is fenced), then the others into free host units only; pinned ones stay out, the rest go to
         the free queue as runs keeping their index."""
         for needed_pass in (True, False):
             for i, block in enumerate(blocks, first):
                 if block.ref_cnt == 0 and not block.pinned and block.block_hash is not None:
-                    needed = self.as_full or i in below_fork or i in below_end
+                    needed = self.as_full or i in below_fork or i in below_end or i == at_end
                     if needed is needed_pass:
-                        self._store(block, (i, i in below_fork, i in below_end), not needed)
+                        self._store(block, (i, i in below_fork, i in below_end or i == at_end), not needed)
         free = self.pool.free
         run, start = [], first
         for i, block in enumerate(blocks, first):
             if block.ref_cnt == 0 and block.pinned:
                 if run:
-                    free.add_dropped(run, start, below_fork, below_end)
+                    free.add_dropped(run, start, below_fork, below_end, at_end)
                 run, start = [], i + 1
             else:
                 run.append(block)
         if run:
-            free.add_dropped(run, start, below_fork, below_end)
+            free.add_dropped(run, start, below_fork, below_end, at_end)
 
-    def add_released(self, request, pairs, preempted: bool) -> None:
+    def add_released(self, request, pairs, preempted: bool, ends=()) -> None:
         """``FreeQueue.add_released``'s arguments and the request: the cached blocks a hit can still need
         (``needed_at_release``) are stored, pinned ones stay out, the rest go to the free queue."""
         if not preempted:       # a preempted request's blocks: the room is needed now; they wait as proven
@@ -214,8 +214,8 @@ class HostTier:
                     if (proven or b.block_hash in needed[b.group]) is needed_pass:
                         self._store(b, (proven, preempted), not needed_pass)
         out = [(b, proven) for b, proven in pairs if not b.pinned]
-        if out:
-            self.pool.free.add_released(out, preempted)
+        if out or ends:
+            self.pool.free.add_released(out, preempted, ends)
 
     def needed_at_release(self, request) -> list[set[bytes]]:
         """Per group, the hashes of the request's blocks a plausible hit needs: a hit at its end (the blocks

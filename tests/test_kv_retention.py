@@ -24,6 +24,7 @@ from drivers import decode, ids, run_step
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 import retention as bench  # noqa: E402
+from retention_sim import SimManager, SimRequest, Spec  # noqa: E402
 from retention_workloads import zipf  # noqa: E402
 
 
@@ -208,6 +209,38 @@ def test_dropped_interior_blocks_go_first_then_the_window_below_the_prompt_end_t
     assert run_step(mgr, Request("c", [80]), 1) == ([5],)                  # the speculative block next
     assert mgr.get_computed_blocks(Request("r2", resend))[1] == 0          # no window of 3 left below 8
     assert mgr.get_computed_blocks(Request("f2", follow_up))[1] == 9       # the chain is whole
+
+
+def test_a_window_not_a_whole_number_of_blocks_keeps_the_block_below_it_that_a_follow_up_needs_as_lru_does():
+    # W=6, B=4. a: a 20-token prompt, 7 tokens out: 26 computed (0..25), so a follow-up hits at most 24
+    # tokens, and a hit of 24 needs tokens 19..23: blocks 4 and 5. But computing token 25 saw 20..25 only,
+    # so a dropped block 4 (id 5) on that step. It waits with a's chain (ids 5, 6), behind the never-used
+    # id 8, a's partial block (id 7), the interior (ids 1, 2: tier 1) and the window below the prompt's
+    # end (ids 3, 4: tier 2). u takes 5 blocks (8, 7, 1, 2, 3) and the follow-up hits 24, as plain LRU's
+    # does (it evicts in release order: 8, then a's blocks 0..4 as they were dropped). Filed in tier 1 as
+    # any dropped block, id 5 went third and the follow-up hit 16 (blocks 2 and 3 below 16 were left).
+    prompt, answer, new = list(range(101, 121)), list(range(201, 208)), [401, 402, 403, 404]
+    mgr = KVCacheManager([SlidingWindow(block_size=4, window=6)], num_blocks=9, last_message_tokens=0)
+    serve(mgr, Request("a", prompt), 32, answer)
+    assert mgr.pool.free.ids() == [8, 7, 1, 2, 3, 4, 5, 6]
+    serve(mgr, Request("u", list(range(301, 321))), 32, [9])
+    assert mgr.get_computed_blocks(Request("f", prompt + answer + new))[1] == 24
+    lru = SimManager([Spec(4, 6)], 9, "lru")
+    serve(lru, SimRequest("a", prompt), 32, answer)
+    serve(lru, SimRequest("u", list(range(301, 321))), 32, [9])
+    assert lru.get_computed_blocks(SimRequest("f", prompt + answer + new))[1] == 24
+
+
+def test_the_block_a_hit_at_a_decoding_requests_end_needs_joins_tier_1_once_the_request_moves_on():
+    # W=6, B=4, an 8-token prompt, 20 tokens out (27 computed). Computing token 21 drops block 3 (id 4),
+    # which a hit at 20 (the request's end, had it stopped there) needs: it waits in tier 3. Computing
+    # token 25 drops block 4 (id 5), which a hit at 24 needs, and moves id 4 to tier 1: a's end is past
+    # it. a finishes at 27 computed: a follow-up hits at most 24, so id 5 stays in tier 3, before a's
+    # chain (id 6); its partial block (id 7) holds nothing. Tier 1: ids 2, 3, 4; tier 2: id 1 (a resend
+    # of the prompt hits 4 tokens, which need block 0).
+    mgr = KVCacheManager([SlidingWindow(block_size=4, window=6)], num_blocks=10, last_message_tokens=0)
+    serve(mgr, Request("a", list(range(101, 109))), 32, list(range(201, 221)))
+    assert mgr.pool.free.ids() == [8, 9, 7, 2, 3, 4, 1, 5, 6]
 
 
 @pytest.mark.parametrize("last_message_tokens, hit", [(0, 0), (2, 6)])
