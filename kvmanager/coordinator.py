@@ -296,7 +296,7 @@ class GroupCoordinator:
                 hashes = request.block_hashes(bs, 0)
                 fork_ends[bs] = [e for e, h in enumerate(hashes, 1) if h in forks]
             answer_from = NEVER if preempted else len(request.prompt_token_ids) // bs
-            end = g.end_block(request) if g.drops else None
+            end = g.end_block(request) if g.ragged else None
             if end is not None:
                 ends.append(end[:2])
             freed += g.release(request, fork_ends.get(bs, ()), answer_from)

@@ -21,6 +21,9 @@ class KVCacheGroup:
         self.pool = pool
         self.enable_caching = enable_caching
         self.drops = spec.first_needed_token(NEVER) > 0
+        # a window (or chunk) not a whole number of blocks: a hit at a block boundary can need a block the
+        # last token no longer saw (``_drop``'s ``at_end``); with whole blocks the two always coincide
+        self.ragged = any(b is not None and b % spec.block_size for b in spec.kernel_bounds().values())
         self.tables: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}   # leading blocks of each table already in the cache
         self._num_dropped: dict[str, int] = {}  # leading null entries of each table (nulls are a prefix)
@@ -91,17 +94,18 @@ class KVCacheGroup:
             # or its own end, while decoding: a hit there ends at a block boundary and sees further back than
             # the next token does, by up to a block when the window is not a whole number of blocks (Phi-3's
             # 2047); that block is what a follow-up needs if the request finishes before its next drop
-            at_end = stop - 1 if num_computed >= len(request.prompt_token_ids) and \
+            at_end = stop - 1 if self.ragged and num_computed >= len(request.prompt_token_ids) and \
                 self.spec.first_needed_token((num_computed + 1) // bs * bs) // bs < stop else -1
             below_fork = self._below_forks(request, range(start, stop)) if free.forks else ()
             tier = pool.tier           # the host tier stores what a hit can still need first
             (free if tier is None else tier).add_dropped(dropped, start, below_fork, below_end, at_end)
-            passed = self._at_end.pop(rid, None)     # this drop moved the request's end past it
-            if passed is not None:
-                free.passed_end(*passed)
-            last = dropped[-1]
-            if at_end >= 0 and last.ref_cnt == 0 and last.block_hash is not None:
-                self._at_end[rid] = (last, last.block_hash, at_end in below_end and not last.shared)
+            if self.ragged:
+                passed = self._at_end.pop(rid, None)     # this drop moved the request's end past it
+                if passed is not None:
+                    free.passed_end(*passed)
+                last = dropped[-1]
+                if at_end >= 0 and last.ref_cnt == 0 and last.block_hash is not None:
+                    self._at_end[rid] = (last, last.block_hash, at_end in below_end and not last.shared)
 
     def _below_forks(self, request: Request, span: range) -> set[int]:
         """Indices in ``span`` that a hit ending at a fork of the request's chain needs (a lookup or a
@@ -237,7 +241,8 @@ class KVCacheGroup:
         table = self.tables.pop(rid, None)
         self._num_cached.pop(rid, None)
         dropped = self._num_dropped.pop(rid, 0)
-        self._at_end.pop(rid, None)
+        if self.ragged:
+            self._at_end.pop(rid, None)
         if not table:
             return []
         bs = self.block_size
