@@ -241,8 +241,6 @@ class KVCacheGroup:
         table = self.tables.pop(rid, None)
         self._num_cached.pop(rid, None)
         dropped = self._num_dropped.pop(rid, 0)
-        if self.ragged:
-            self._at_end.pop(rid, None)
         if not table:
             return []
         bs = self.block_size
