@@ -102,8 +102,8 @@ SINGLE_GROUP = ("full", "sliding")
 GOAL_FAMILIES = ("chat", "agent", "rag")   # >= 1.10x the better vLLM (or the ceiling) at the tightest pools
 TOLERANCE = 0.005                          # every cell: swakv >= the better vLLM - this
 SYSTEMS = ("swakv", "vllm-dense", "vllm-sem", "sim:lru", "clairvoyant")
-# ``--unseen``: settings none of the grids above used (windows of real models among them: gpt-oss's 128 is
-# the grid's, Mistral's 4096 too; 64, 1000 and 8192 are not), each family's own shape drawn as well.
+# ``--unseen``: settings the grid above never draws (1000 among the windows: not a whole number of 16-token
+# blocks, as Phi-3's 2047 is not), each family's own shape drawn as well.
 UNSEEN = dict(window=(64, 256, 512, 1000, 2048, 8192), concurrency=(2, 6, 12, 24, 32), chunk=(128, 1024, 4096, 8192))
 
 

@@ -193,7 +193,7 @@ FAMILIES = {"chat": chat, "siblings": siblings, "agent": agent, "edit": edit, "z
 # The families' defaults are the shapes the retention policy was developed on. ``drawn_shape`` draws each
 # family's own parameters from wide ranges instead (how many sessions, turns, documents, how hot the popular
 # ones are, how long every part is), so a check can run the same ideas on workloads nobody tuned for.
-# Traces stay about the size of the defaults' (120-400 requests) so a grid runs in minutes.
+# Traces stay about the size of the defaults' (120-500 requests) so a grid runs in minutes.
 
 def _span(rng: random.Random, lo: float, hi: float, stretch: tuple[float, float] = (1.5, 5.0)) -> tuple[int, int]:
     """A token range: its low end log-uniform in [lo, hi], its high end that times a drawn stretch."""
