@@ -249,19 +249,12 @@ class FreeQueue:
                     proven.append(block)
                 elif i == at_end and not self._holds(ANSWER):   # while follow-ups come: tier 3, in release
                     doubted.append(block)                       # order, until its request moves on
-                elif block.shared or i not in below_prompt_end:
-                    self._claim(block, UNREACHABLE)     # shared: consumed by a hit that extended the chain
-                    if trusted:
-                        block.due = self._evicted + tiers[UNREACHABLE].units
-                        self._push(block, tiers[UNREACHABLE])
+                else:                   # shared: a window consumed by a hit that extended the chain
+                    tier = UNREACHABLE if block.shared or i not in below_prompt_end else SPECULATIVE
+                    self._claim(block, tier)
+                    if trusted if tier == UNREACHABLE else hopeful:
+                        self._wait_in(block, tier)
                     else:                   # the claim is in doubt: tier 3, in release order
-                        doubted.append(block)
-                else:
-                    self._claim(block, SPECULATIVE)
-                    if hopeful:
-                        block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
-                        self._push(block, tiers[SPECULATIVE])
-                    else:
                         doubted.append(block)
             i += 1
         if doubted:
@@ -280,9 +273,13 @@ class FreeQueue:
         self._claim(block, tier)
         if self._holds(tier):
             self._detach(block)
-            block.due = self._evicted + self._tiers[UNREACHABLE].units + (
-                self._tiers[SPECULATIVE].units if tier == SPECULATIVE else 0)
-            self._push(block, self._tiers[tier])
+            self._wait_in(block, tier)
+
+    def _wait_in(self, block, tier: int) -> None:
+        """Into tier 1 or 2, due once the cached units now waiting there and in tier 1 are evicted."""
+        tiers = self._tiers
+        block.due = self._evicted + tiers[UNREACHABLE].units + (tiers[SPECULATIVE].units if tier == SPECULATIVE else 0)
+        self._push(block, tiers[tier])
 
     def _waiting(self, block, block_hash: bytes) -> bool:
         """Whether ``block`` still waits free with that content (a free entry keeps its bin once taken)."""
@@ -365,8 +362,7 @@ class FreeQueue:
             elif below_fork is None and not block.shared:
                 block.claim = ANSWER
                 if no_follow_ups:
-                    block.due = self._evicted + tiers[UNREACHABLE].units + tiers[SPECULATIVE].units
-                    self._push(block, tiers[SPECULATIVE])
+                    self._wait_in(block, SPECULATIVE)
                 else:
                     chain.append(block)
             else:

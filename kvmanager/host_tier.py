@@ -188,9 +188,10 @@ class HostTier:
         for needed_pass in (True, False):
             for i, block in enumerate(blocks, first):
                 if block.ref_cnt == 0 and not block.pinned and block.block_hash is not None:
-                    needed = self.as_full or i in below_fork or i in below_end or i == at_end
+                    fork, end = i in below_fork, i in below_end or i == at_end
+                    needed = self.as_full or fork or end
                     if needed is needed_pass:
-                        self._store(block, (i, i in below_fork, i in below_end or i == at_end), not needed)
+                        self._store(block, (i, fork, end), not needed)
         free = self.pool.free
         run, start = [], first
         for i, block in enumerate(blocks, first):
