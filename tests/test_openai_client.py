@@ -476,7 +476,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     chat = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True,
                                                extra_body={"ignore_eos": True},
                                                stream_options={"include_usage": False, "continuous_usage_stats": True}))
-    assert [c.usage.completion_tokens for c in chat] == [0, 1, 2, 3]   # the role chunk first: nothing yet
+    # the role chunk first (nothing yet), then the tokens so far: one event each, or several in one event
+    # when the stream fell behind (cluster/serve/feed.py merges what a stream is owed; a loaded CI host did)
+    so_far = [c.usage.completion_tokens for c in chat]
+    assert so_far[0] == 0 and so_far[-1] == 3 and all(a < b for a, b in zip(so_far, so_far[1:]))
     assert {c.usage.prompt_tokens for c in chat} == {len(chat_prompt(MESSAGES))}
 
 
