@@ -60,11 +60,11 @@ chain units waited ahead of it; a chain it evicted, missed, weighs two): where c
 a block's worth is the later prompts that contain its chain (a retrieved document's, a shared prompt's;
 not a one-off question's), and a deeper block is never worth more than one above it. So hashes cached
 are counted (later admissions whose prompts contained them; four pools' worth of hashes remembered), and
-tier 3 may evict by class instead of by release (contained in no later prompt, in one, in ``REPEATED`` or
-more), the deepest block first in each, then the oldest. While follow-ups have not shown (the answer claim,
+tier 3 may evict by the count's order of magnitude instead of by release (0, 1, 2-3, 4-7, ...), the lowest
+first, the deepest block first within one, then the oldest. While follow-ups have not shown (the answer claim,
 tier 2 above, is not refuted) it does, whatever tier 3's own order: a chain no request extends is worth
 the prompts that contain it, not its release. Otherwise ghosts tell the two apart: a lookup missing a block
-the release order evicted while a lower class waited votes for the frequency order; one missing a block the
+the release order evicted while a lower magnitude waited votes for the frequency order; one missing a block the
 frequency order evicted that the release order would still hold (within tier 3's volume), two against; it
 acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. Sliding groups are
 left out: their hits need the window at a chain's end, the deepest blocks.
@@ -121,7 +121,6 @@ THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
 VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
 PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
 DISTANCES = 64       # reuse distances kept for the horizon
-REPEATED = 2         # the frequency order's classes: contained in no later prompt, in one, in REPEATED or more
 
 
 class Bin:
@@ -198,7 +197,7 @@ class FreeQueue:
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
         # The frequency order (full attention only: ``frequency``, set by the coordinator): per hash seen, how
-        # many later admissions' prompts contained it; tier 3's entries in a heap by (class, deepest, oldest),
+        # many later admissions' prompts contained it; tier 3's entries in a heap by (magnitude, deepest, oldest),
         # lazily cleaned; and its duel with the release order, a saturating counter (starts in doubt, at 0)
         self.frequency = False
         self._counts: OrderedDict[bytes, int] = OrderedDict()
@@ -772,14 +771,23 @@ class FreeQueue:
         no follow-up extends is worth the later prompts that contain it, not its release; else while the
         ghosts prefer it to the release order."""
         return (self.frequency and not self.floor.follow_lru
-                and (self._wanted[ANSWER] * DOUBT <= self._claimed[ANSWER]
-                     or self._frequency_votes > 0 and self._votes < THRESHOLD))
+                and (not self._answer_refuted() or self._frequency_votes > 0 and self._votes < THRESHOLD))
+
+    def _answer_refuted(self) -> bool:
+        """Follow-ups have shown: more than one in ``DOUBT`` of the evidence on the answer claim went against
+        it. Weaker than the claim's failing to hold (``_holds``), which needs ``DOUBT`` times as much for it:
+        at the start, with no evidence either way, the claim does not hold and is not refuted."""
+        return self._wanted[ANSWER] * DOUBT > self._claimed[ANSWER]
 
     def _frequency_key(self, entry) -> int:
-        return min(REPEATED, self._counts.get(entry.block_hash, 0))
+        """The count's order of magnitude: 0, 1, 2-3, 4-7, ... A document twenty later prompts contained
+        outranks one two did (with "two or more" one class, the sixteenth round's, they tied); counts within
+        a factor of two leave it to depth and age (raw counts sent the freshest of cyclic sessions first:
+        docs/design.md, Retention, twenty-third round)."""
+        return self._counts.get(entry.block_hash, 0).bit_length()
 
     def _frequency_rank(self, entry) -> tuple[int, int, int]:
-        """Its place in the frequency order: class, then the deepest, then the oldest."""
+        """Its place in the frequency order: the count's magnitude, then the deepest, then the oldest."""
         return self._frequency_key(entry), -entry.depth, entry.order
 
     @staticmethod
@@ -792,7 +800,7 @@ class FreeQueue:
 
     def _frequency_front(self):
         """Tier 3's front in the frequency order, or None: the stale heap items above it are dropped, and one
-        whose class changed since it was pushed goes back in its place."""
+        whose magnitude changed since it was pushed goes back in its place."""
         heap = self._heap
         while heap:
             key, depth, order, entry = heap[0]
@@ -862,7 +870,7 @@ class FreeQueue:
                     elif not proven and self._tails > 0 and self._reusable_units > self._chain_units:
                         side = -1
                 # and whether the other of the release and frequency orders would have kept it: -1, the
-                # frequency order evicted it; 1, the release order did while a lower class waited
+                # frequency order evicted it; 1, the release order did while a lower magnitude waited
                 by_count = 0
                 if self.frequency and not self.floor.follow_lru and self._votes < THRESHOLD:
                     if by_frequency:
