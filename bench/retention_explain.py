@@ -4,8 +4,10 @@ and which evictions cost the hits LRU's pool would have served.
 `bench/retention.py` says *that* a cell loses; this says *where*. It serves one cell as the grid does, with
 a ``Trace`` attached to swakv's manager, and prints:
 
-- the hit rate next to the simulated LRU's on its own schedule, and next to the floor's shadow (LRU's hits
-  on swakv's schedule): where those two LRU figures differ, the floor cannot see the whole gap;
+- the hit rate next to the simulated LRU's on its own schedule, and the hit tokens the floor counts next to
+  its shadow's (LRU's hits on swakv's schedule): where the two LRU figures differ, the floor cannot see the
+  whole gap. The hit rate counts first admissions; the floor counts every admission, so where requests are
+  preempted swakv can lead its shadow and still trail LRU's hit rate;
 - the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
 - a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
   in force (the tiers with tier 3 in LRU order, or by count on full attention, youngest-first, or LRU below
@@ -173,11 +175,14 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     lru = R.serve(workload, R.SimAdapter(windows, num_blocks, "lru"), **kw)
     floor = swakv.mgr.pool.free.floor
     print(f"seed {seed} draw {draw} (window {d.window}, {d.concurrency} running, chunk {d.chunk}): "
-          f"{family} / {layout} / {pool} blocks per group, {floor.prompt_tokens:,} prompt tokens")
+          f"{family} / {layout} / {pool} blocks per group, {stats['prompt_tokens']:,} prompt tokens at first "
+          f"admissions, {floor.prompt_tokens:,} at every admission")
     print(f"hit rate: swakv {stats['hit_rate']:.4f}, plain LRU on its own schedule {lru['hit_rate']:.4f} "
           f"({stats['hit_rate'] - lru['hit_rate']:+.4f})")
-    print(f"hit tokens: swakv {floor.hits:,}; LRU on its own schedule {lru['hit_tokens']:,}; LRU on swakv's "
-          f"schedule (the floor's shadow) {floor.lru_hits:,}")
+    print(f"hit tokens at first admissions (the hit rate's): swakv {stats['hit_tokens']:,}; LRU on its own "
+          f"schedule {lru['hit_tokens']:,}")
+    print(f"hit tokens at every admission (the floor's account, re-admissions after preemption included): swakv "
+          f"{floor.hits:,}; LRU on swakv's schedule (the floor's shadow) {floor.lru_hits:,}")
     print(f"floor: written off {floor.forgiven:,.0f} tokens; credit at the end {floor.credit:,.0f} (lowest "
           f"{floor.lowest:,.0f}); followed LRU at {floor.lru_admissions}/{floor.admissions} admissions, "
           f"{floor.switches} switches")
