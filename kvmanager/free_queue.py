@@ -56,18 +56,15 @@ than chains-first would have cost chains' reuses (a chain hit after more proven 
 chain units waited ahead of it; a chain it evicted, missed, weighs two): where chains never come back
 (one-off questions after shared documents or system prompts) they make room for what does.
 
-**Full attention: the frequency order.** Where every group needs the whole prefix,
-a block's worth is the later prompts that contain its chain (a retrieved document's, a shared prompt's;
-not a one-off question's), and a deeper block is never worth more than one above it. So hashes cached
-are counted (later admissions whose prompts contained them; four pools' worth of hashes remembered), and
-tier 3 may evict by the count's order of magnitude instead of by release (0, 1, 2-3, 4-7, ...), the lowest
-first, the deepest block first within one, then the oldest. While follow-ups have not shown (the answer claim,
-tier 2 above, is not refuted) it does, whatever tier 3's own order: a chain no request extends is worth
-the prompts that contain it, not its release. Otherwise ghosts tell the two apart: a lookup missing a block
-the release order evicted while a lower magnitude waited votes for the frequency order; one missing a block the
-frequency order evicted that the release order would still hold (within tier 3's volume), two against; it
-acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. Sliding groups are
-left out: their hits need the window at a chain's end, the deepest blocks.
+**Full attention: the frequency order** (``frequency.FrequencyOrder``: how many later prompts contained each
+hash, the order of magnitude of that count, then the deepest block, then the oldest). Where every group needs
+the whole prefix, tier 3 may evict in that order instead of by release. While follow-ups have not shown (the
+answer claim, tier 2 above, is not refuted) it does, whatever tier 3's own order: a chain no request extends is
+worth the prompts that contain it, not its release. Otherwise ghosts tell the two apart: a lookup missing a
+block the release order evicted while a lower magnitude waited votes for the frequency order; one missing a
+block the frequency order evicted that the release order would still hold (within tier 3's volume), two
+against; it acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. Sliding
+groups are left out: their hits need the window at a chain's end, the deepest blocks.
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -99,10 +96,10 @@ groups only, this is one order and exactly the policy above.
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict, deque
 
 from .floor import Floor, Shadow
+from .frequency import FrequencyOrder
 
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 ANSWER = 3           # a claim, not a tier: a finished request's answer waits in tier 2 while it holds
@@ -196,12 +193,10 @@ class FreeQueue:
         # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
-        # The frequency order (full attention only: ``frequency``, set by the coordinator): per hash seen, how
-        # many later admissions' prompts contained it; tier 3's entries in a heap by (magnitude, deepest, oldest),
-        # lazily cleaned; and its duel with the release order, a saturating counter (starts in doubt, at 0)
+        # The frequency order (full attention only: ``frequency``, set by the coordinator), and its duel with
+        # the release order, a saturating counter (starts in doubt, at 0)
         self.frequency = False
-        self._counts: OrderedDict[bytes, int] = OrderedDict()
-        self._heap: list = []
+        self._frequency_order = FrequencyOrder()
         self._frequency_votes = 0
         # Chains before proven blocks (while tier 3 is in LRU order): > 0 once lookups missed proven blocks
         # LRU's merged order evicted while chains waited more often than chains-first would have lost a
@@ -491,23 +486,12 @@ class FreeQueue:
             self._fork(parent)
 
     def seen(self, block_hash: bytes) -> None:
-        """A block of this hash was cached (full attention only): counted from now on, at 0."""
-        counts = self._counts
-        if block_hash not in counts:
-            counts[block_hash] = 0
-            if len(counts) > 2 * self._cap:
-                counts.popitem(last=False)
+        """A block of this hash was cached (full attention only): the frequency order counts it from now on."""
+        self._frequency_order.seen(block_hash, 2 * self._cap)
 
     def referenced(self, hashes) -> None:
-        """An admission's prompt (its block hashes, in order): each hash seen before counts once more. A chain
-        is a prefix, so the first hash never seen ends it."""
-        counts = self._counts
-        for h in hashes:
-            c = counts.get(h)
-            if c is None:
-                break
-            counts[h] = c + 1
-            counts.move_to_end(h)
+        """An admission's prompt (its block hashes, in order, full attention only): for the frequency order."""
+        self._frequency_order.referenced(hashes)
 
     def note_lookup(self, hash_at, start: int, limit: int) -> None:
         """After a lookup that hit ``start`` blocks of a prompt with ``limit`` usable ones: follow the chain
@@ -661,7 +645,7 @@ class FreeQueue:
                     break
             else:
                 if self._frequency_first():
-                    entry = self._frequency_front()
+                    entry = self._frequency_order.front(self._live)
                     if entry is not None:
                         return [self._pop(entry, entry.bin, by_frequency=True)]
         lower: list[Bin] = []
@@ -779,17 +763,6 @@ class FreeQueue:
         at the start, with no evidence either way, the claim does not hold and is not refuted."""
         return self._wanted[ANSWER] * DOUBT > self._claimed[ANSWER]
 
-    def _frequency_key(self, entry) -> int:
-        """The count's order of magnitude: 0, 1, 2-3, 4-7, ... A document twenty later prompts contained
-        outranks one two did (with "two or more" one class, the sixteenth round's, they tied); counts within
-        a factor of two leave it to depth and age (raw counts sent the freshest of cyclic sessions first:
-        docs/design.md, Retention, twenty-third round)."""
-        return self._counts.get(entry.block_hash, 0).bit_length()
-
-    def _frequency_rank(self, entry) -> tuple[int, int, int]:
-        """Its place in the frequency order: the count's magnitude, then the deepest, then the oldest."""
-        return self._frequency_key(entry), -entry.depth, entry.order
-
     @staticmethod
     def _live(item) -> bool:
         """A heap item still stands for its entry: it waits in tier 3 since the push that made the item."""
@@ -797,20 +770,6 @@ class FreeQueue:
         b = entry.bin
         return (entry.order == order and b is not None and b.batches is not None
                 and b.loose.get(entry.block_id) is entry)
-
-    def _frequency_front(self):
-        """Tier 3's front in the frequency order, or None: the stale heap items above it are dropped, and one
-        whose magnitude changed since it was pushed goes back in its place."""
-        heap = self._heap
-        while heap:
-            key, depth, order, entry = heap[0]
-            if not self._live(heap[0]):
-                heapq.heappop(heap)
-            elif (now := self._frequency_key(entry)) != key:
-                heapq.heapreplace(heap, (now, depth, order, entry))
-            else:
-                return entry
-        return None
 
     def _pop_empty(self, n: int) -> list:
         """The ``n`` front loose units of the empty tier: those pushed to its front, the never-used ones,
@@ -876,8 +835,9 @@ class FreeQueue:
                     if by_frequency:
                         by_count = -1
                     else:
-                        front = self._frequency_front()
-                        if front is not None and self._frequency_key(entry) > self._frequency_key(front):
+                        order = self._frequency_order
+                        front = order.front(self._live)
+                        if front is not None and order.key(entry) > order.key(front):
                             by_count = 1
                 ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side,
                                             by_count)
@@ -943,11 +903,7 @@ class FreeQueue:
             self._back += 1
         block.bin = b
         if self.frequency and b.batches is not None:
-            heap = self._heap
-            heapq.heappush(heap, (*self._frequency_rank(block), block))
-            if len(heap) > 2 * self._cap:           # stale items (blocks taken since) past a bound: rebuild
-                self._heap = [x for x in heap if self._live(x)]
-                heapq.heapify(self._heap)
+            self._frequency_order.push(block, self._live, 2 * self._cap)
         n = self._units_of_kind[block.kind]
         b.units += n
         self.num_free_units += n
@@ -983,7 +939,7 @@ class FreeQueue:
                 out += b.entries()
         if by_frequency:
             out += sorted((e for bins in (self._chains, self._quick, self._proven) for b in bins.values()
-                           for e in b.entries()), key=self._frequency_rank)
+                           for e in b.entries()), key=self._frequency_order.rank)
         return out
 
     def ids(self) -> list[int]:

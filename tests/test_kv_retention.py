@@ -18,6 +18,7 @@ import pytest
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block, BlockPool
 from kvmanager.free_queue import ANSWER, DOUBT, THRESHOLD, FreeQueue
+from kvmanager.frequency import FrequencyOrder
 
 from drivers import decode, ids, run_step
 
@@ -758,6 +759,15 @@ def test_the_frequency_order_keeps_a_document_four_later_prompts_contained_longe
     _release(q, [rarer])
     assert q.ids() == [2, 1]
     assert q.take(0) == [rarer]
+
+
+def test_the_frequency_order_counts_at_most_its_bound_of_hashes_forgetting_the_one_referenced_longest_ago():
+    order = FrequencyOrder()
+    for h in (b"a", b"b", b"c"):
+        order.seen(h, bound=3)
+    order.referenced([b"a", b"x", b"b"])            # a chain ends at its first hash never seen: b not counted
+    order.seen(b"d", bound=3)                       # b, referenced longest ago, goes
+    assert dict(order.counts) == {b"c": 0, b"a": 1, b"d": 0}
 
 
 def test_only_models_whose_every_group_needs_the_whole_prefix_keep_counts_for_the_frequency_order():
