@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 
 import httpx
 
@@ -26,6 +25,7 @@ from cluster.engine.build import DEFAULT_MODEL
 from cluster.serve.ray_serve import build_app, run
 
 from drivers import start_engine_actor, stop_engine_actor
+from ports import free_port
 
 MODEL = "swakv-tiny-hybrid"
 ENGINE = "test-openai-engine"
@@ -108,9 +108,7 @@ def client(ray_runtime):
         handle, info = start_engine_actor(dict(model=DEFAULT_MODEL, block_size=BLOCK, num_blocks=NUM_BLOCKS,
                                                max_model_len=MAX_LEN), name=ENGINE, max_restarts=0, timeout_s=120)
         _handles.append(handle)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         run(build_app(ENGINE, NAMESPACE, info["model"], DEFAULT_MODEL, MAX_LEN), port=port, name="test-openai")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     finally:

@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import json
 import os
-import socket
 import time
 
 import httpx
@@ -24,6 +23,7 @@ from cluster.ray.engine_actor import NAMESPACE
 from cluster.serve.ray_serve import build_app, run
 
 from drivers import start_engine_actor, stop_engine_actor
+from ports import free_port
 
 BASE = "test-dp-engine"
 NAMES = [f"{BASE}-{i}" for i in range(3)]
@@ -46,9 +46,7 @@ def url(ray_runtime):
             handle, _ = start_engine_actor({**BUILD, "sleep_factor": 60.0 if rank == 0 else 0.0}, name=name,
                                            rank=rank, max_restarts=1, timeout_s=120)
             handles.append(handle)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         run(build_app(NAMES, NAMESPACE, "gemma-3-27b", None, 4096, router="prefix"), port=port, name="test-dp")
         base = f"http://127.0.0.1:{port}"
         wait_routable(base, 3)

@@ -8,7 +8,6 @@ from the server. Ray and Serve start once for the whole module; the engine-resta
 from __future__ import annotations
 
 import asyncio
-import socket
 import functools
 import json
 import os
@@ -29,6 +28,7 @@ from workers.models.tiny_models import build_tiny_model
 
 from conftest import ROOT
 from drivers import start_engine_actor, stop_engine_actor
+from ports import free_port
 
 MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: two KV-cache groups (3 units + 1 of one layer)
 ENGINE = "test-serve-engine"
@@ -89,12 +89,6 @@ def url(ray_runtime):
         for handle in _handles:
             stop_engine_actor(handle)
         _handles.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sse_events(lines) -> list:

@@ -23,16 +23,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 STOP_WITHIN_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 PORT = free_port()
 
 
