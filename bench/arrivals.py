@@ -25,7 +25,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving import Server, body_for, free_port, log, pct, stream_completion   # noqa: E402
+from serving import Server, body_for, log, pct, stream_completion   # noqa: E402
+
+from cluster.ray.ports import free_port  # noqa: E402  (serving put the repository on the path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -43,7 +43,8 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 from ray import serve  # noqa: E402
 
-from bench.serving import free_port, log, pct, stream_completion  # noqa: E402
+from bench.serving import log, pct, stream_completion  # noqa: E402
+from cluster.ray.ports import free_port  # noqa: E402
 
 VARIANTS = {"default": {}, "same-loop": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"},
             "direct-ingress": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}}

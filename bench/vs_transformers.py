@@ -38,7 +38,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,10 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cluster.ray.ports import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "models", "swakv-tiny-hybrid")
@@ -66,12 +69,6 @@ RATE_TOLERANCE = 0.10    # a rate run whose achieved req/s is further off than t
 
 def log(msg: str) -> None:
     print(f"[vs-tf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 5.0):

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ from cluster.loadtest.config import LoadTestConfig
 from cluster.loadtest.local_cluster import LocalCluster
 from cluster.loadtest.run import run_one
 from cluster.loadtest.workloads import Session, Turn, agent_loops, document_qa, multi_turn_chat, parse_trace
+from cluster.ray.ports import free_port
 
 from drivers import run_layout
 
@@ -437,3 +439,14 @@ def test_teardown_leaves_no_process_of_the_cluster(runs):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--drive"]:
     drive(sys.argv[2])
+
+
+def test_a_servers_port_lies_above_rays_worker_ports_and_below_the_ephemeral_range_and_is_free():
+    # bind(0) and outgoing connections draw from the ephemeral range and Ray's workers from 10002-19999: a
+    # port between them is taken by nobody between the pick and the server's bind
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = 20_000, int(f.read().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(low <= p < high for p in ports) and len(ports) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

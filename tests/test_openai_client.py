@@ -21,11 +21,11 @@ import transformers
 from ray import serve
 
 from cluster.ray.engine_actor import NAMESPACE
+from cluster.ray.ports import free_port
 from cluster.engine.build import DEFAULT_MODEL
 from cluster.serve.ray_serve import build_app, run
 
 from drivers import start_engine_actor, stop_engine_actor
-from ports import free_port
 
 MODEL = "swakv-tiny-hybrid"
 ENGINE = "test-openai-engine"

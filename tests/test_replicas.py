@@ -20,10 +20,10 @@ import ray
 from ray import serve
 
 from cluster.ray.engine_actor import NAMESPACE
+from cluster.ray.ports import free_port
 from cluster.serve.ray_serve import build_app, run
 
 from drivers import start_engine_actor, stop_engine_actor
-from ports import free_port
 
 BASE = "test-dp-engine"
 NAMES = [f"{BASE}-{i}" for i in range(3)]

@@ -20,6 +20,7 @@ import torch
 from starlette.responses import StreamingResponse
 
 from cluster.ray.engine_actor import NAMESPACE
+from cluster.ray.ports import free_port
 from cluster.serve.launch import start_edges, stop_edges
 from cluster.serve.streaming import EventStream, ResponseChoice
 from cluster.engine.tokenizer import StreamDecoder, load_tokenizer
@@ -28,7 +29,6 @@ from workers.models.tiny_models import build_tiny_model
 
 from conftest import ROOT
 from drivers import start_engine_actor, stop_engine_actor
-from ports import free_port
 
 MODEL = "tiny-gemma3"          # sliding, sliding, full, sliding: two KV-cache groups (3 units + 1 of one layer)
 ENGINE = "test-serve-engine"

@@ -23,7 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ports import free_port
+from cluster.ray.ports import free_port
+
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_WITHIN_S = 30.0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -145,9 +144,3 @@ def _alive(pid: int) -> bool:
         except PermissionError:
             return True
         return not os.path.isdir("/proc")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

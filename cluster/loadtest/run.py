@@ -7,12 +7,13 @@ from dataclasses import asdict
 
 from cluster.engine.build import build_engine
 from cluster.ray.launch import engine_names
+from cluster.ray.ports import free_port
 
 from .actions import (deploy_app, kill_node_action, kill_replica_action, kill_worker_action, stage_nodes,
                       start_engines, stop_engines, wait_healthy, warm_up)
 from .client import run_load, summarize
 from .config import LoadTestConfig
-from .local_cluster import LocalCluster, free_port
+from .local_cluster import LocalCluster
 
 
 def preflight(cfg: LoadTestConfig) -> None:

@@ -1,10 +1,11 @@
-"""A port for a test's server that nothing else on the machine takes before the server binds it.
+"""A port for a server started beside a Ray runtime (a load test's HTTP app, a bench's or a test's server)
+that nothing else on the host takes before the server binds it.
 
 Asking the kernel for port 0 and handing the number to a server started later races: the number comes from
 the ephemeral range, from which every ``bind(0)`` and every outgoing connection also draws, and Ray's
-processes do both all the time while a server starts (a fresh-clone run lost a module's 43 tests to Serve's
-proxy failing to bind 127.0.0.1:43933). So the port is drawn below the ephemeral range and above Ray's
-worker ports (10002-19999 by default), where only explicit binds land, and checked free.
+processes do both all the time while a server starts (a fresh-clone test run lost a module's 43 tests to
+Serve's proxy failing to bind 127.0.0.1:43933). So the port is drawn below the ephemeral range and above
+Ray's worker ports (10002-19999 by default), where only explicit binds land, and checked free.
 """
 from __future__ import annotations
 
