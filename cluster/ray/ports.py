@@ -25,6 +25,10 @@ def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
 
 def free_port() -> int:
     low, high = RAY_WORKER_PORTS_END, ephemeral_low()
+    if high - low < 1_000:              # a host whose ephemeral range starts low: the kernel's pick, racy as it is
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(low, high)
