@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -75,6 +76,26 @@ def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtim
     assert "Traceback" not in err, err
     assert "swakv: shutting down ..." in err and "told 0 in-flight request(s)" in err
     assert raylets() <= before                   # the runtime it started is gone
+
+
+def test_a_stop_signal_landing_inside_a_string_exec_still_lets_the_server_exit_0(tmp_path):
+    # Under ``python -m`` CPython ends the process by SIGINT once a bare KeyboardInterrupt has left a string
+    # exec, even if caught: a clean stop exited 254 in CI when the signal landed in one (dataclasses and
+    # namedtuples build methods so). The server's stop handler raises a subclass, which does not trip that.
+    (tmp_path / "stop_in_exec.py").write_text(textwrap.dedent("""
+        import os, signal, sys
+        from cluster.serve.launch import _stop
+        signal.signal(signal.SIGTERM, _stop)
+        try:
+            exec("os.kill(os.getpid(), signal.SIGTERM)\\nwhile True: pass", {"os": os, "signal": signal})
+        except KeyboardInterrupt:
+            print("stopped", flush=True)
+            sys.exit(0)
+    """))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    proc = subprocess.run([sys.executable, "-m", "stop_in_exec"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "stopped\n"), proc.stderr
 
 
 def test_sleep_factor_is_refused_without_simulated_workers_and_when_negative():

@@ -109,6 +109,20 @@ def stop_serving(engine_handles: list, timeout_s: float = 30.0, edges: list | No
     return in_flight
 
 
+class StopRequested(KeyboardInterrupt):
+    """The first Ctrl-C or SIGTERM, raised in the main thread wherever it is. Not ``KeyboardInterrupt``
+    itself: under ``python -m``, CPython ends a process by SIGINT once a bare ``KeyboardInterrupt`` has
+    left a string ``exec``/``eval`` (dataclasses and namedtuples build methods that way), even if it was
+    caught, so a clean stop that landed there exited -2 (CI: status 254 from the supervisor)."""
+
+
+def _stop(signum, frame):
+    # the first Ctrl-C or SIGTERM starts the goodbyes; a second one must not cut them short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise StopRequested
+
+
 def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
                   num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None,
                   data_parallel_size: int = 1, router: str = "prefix", frontend: str = "direct",
@@ -126,12 +140,6 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
     ray = init_ray(address, num_cpus, dashboard)
     started_here = not address
     handles, edges = [], [] if frontend == "direct" else None
-
-    def _stop(signum, frame):
-        # the first Ctrl-C or SIGTERM starts the goodbyes; a second one must not cut them short
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
 
     old_sigint = signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
@@ -157,7 +165,7 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
               + "Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:        # StopRequested
         print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
         return 0
     finally:
