@@ -17,7 +17,12 @@ a ``Trace`` attached to swakv's manager, and prints:
 - every admission where the shadow's LRU hit was longer: its lost tokens, shared among the blocks LRU's
   hit used that the real pool lacked, by where each waited when it was evicted and the order in force
   then; "never evicted here" marks content the real pool never held then (LRU computed it again after a
-  shorter hit of its own, and kept it).
+  shorter hit of its own, and kept it);
+- both hit rates at pools up to ``--nearby`` percent smaller and larger: plain LRU can jump by several
+  points within a fraction of a percent of the pool (a working set that just fits or just does not), and
+  there a tiny change in the order of frees moves its shadow by as much, so a loss at one pool size alone
+  is a knife edge, a loss at every size a bias (edit sliding 3177, seed 382353997: LRU 0.660 at 3147
+  blocks, 0.719 at 3157).
 
     python bench/retention_explain.py --seed 541911745 --draw 2 --family edit --layout gemma3 --pool 4293
 
@@ -155,7 +160,26 @@ class Trace:
         self._pending = []
 
 
-def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False) -> None:
+def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) -> list[tuple[int, float, float]]:
+    """``(pool, LRU's hit rate, swakv's)`` at nine pools spread evenly over ``pool`` +- ``percent`` %."""
+    import retention as R
+    step = max(1, round(pool * percent / 400))
+    rows = []
+    for p in range(pool - 4 * step, pool + 4 * step + 1, step):
+        if p < 1:
+            continue
+        num_blocks = p * len(windows) + 1
+        try:
+            swakv = R.serve(workload, R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout)), **kw)
+            lru = R.serve(workload, R.SimAdapter(windows, num_blocks, "lru"), **kw)
+        except RuntimeError:        # a request that fits nowhere in a pool this small
+            continue
+        rows.append((p, lru["hit_rate"], swakv["hit_rate"]))
+    return rows
+
+
+def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False,
+            near: float = 1.0) -> None:
     import retention as R
     d = R.draw_settings(seed, draw + 1, unseen)[draw]
     workload, _ = R.workload_of(d, family)
@@ -207,6 +231,10 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
         print(f"  {tokens:>9,.0f} tokens  {trace.lost_blocks[where]:>6} blocks  {where}")
     if not trace.lost_tokens:
         print("  none")
+    if near > 0:
+        print(f"\nat nearby pools (+-{near:g}%), each on its own schedule:\n{'pool':>7} {'LRU':>6} {'swakv':>6} {'difference':>10}")
+        for p, lru_rate, rate in nearby(workload, windows, layout, pool, near, kw):
+            print(f"{p:>7} {lru_rate:>6.3f} {rate:>6.3f} {rate - lru_rate:>+10.3f}")
 
 
 def main() -> None:
@@ -219,10 +247,12 @@ def main() -> None:
     ap.add_argument("--pool", type=int, required=True, help="blocks per group, as the grid prints them")
     ap.add_argument("--every", type=int, default=25, help="admissions between timeline rows (default 25)")
     ap.add_argument("--unseen", action="store_true", help="the seed's unseen draws (retention.py --unseen)")
+    ap.add_argument("--nearby", type=float, default=1.0,
+                    help="also both hit rates at nine pools within this many percent of --pool (0: not)")
     args = ap.parse_args()
-    if args.draw < 0 or args.pool < 1 or args.every < 1:
-        ap.error("--draw must be >= 0, --pool and --every >= 1")
-    explain(args.seed, args.draw, args.family, args.layout, args.pool, args.every, args.unseen)
+    if args.draw < 0 or args.pool < 1 or args.every < 1 or not 0 <= args.nearby < 100:
+        ap.error("--draw must be >= 0, --pool and --every >= 1, --nearby in [0, 100)")
+    explain(args.seed, args.draw, args.family, args.layout, args.pool, args.every, args.unseen, args.nearby)
 
 
 if __name__ == "__main__":

@@ -44,3 +44,18 @@ def test_on_a_small_rag_trace_over_full_attention_the_timeline_names_the_frequen
     with Trace(adapter.mgr) as trace:
         bench.serve(rag(0, requests=80, documents=12), adapter, step_tokens=512, max_running=4)
     assert {order for *_, order in trace.admissions} == {"tiers, tier 3 by count", "LRU below the floor"}
+
+
+def test_nearby_pools_are_nine_evenly_spread_sizes_each_served_as_the_grid_serves_its_own():
+    # +-10% of 400 blocks: a step of 10, pools 360 to 440; the row at 400 is what the grid's serve gives there
+    import retention as bench
+    from retention_explain import nearby
+    from retention_workloads import rag
+
+    workload, kw = rag(0, requests=40, documents=8), dict(step_tokens=512, max_running=4)
+    rows = nearby(workload, (None,), "full", 400, 10, kw)
+    assert [p for p, _, _ in rows] == list(range(360, 441, 10))
+    swakv = bench.serve(workload, bench.SwakvAdapter((None,), 401), **kw)["hit_rate"]
+    lru = bench.serve(workload, bench.SimAdapter((None,), 401, "lru"), **kw)["hit_rate"]
+    assert rows[4] == (400, lru, swakv)
+    assert 0 < lru < 1 and 0 < swakv < 1
