@@ -76,6 +76,7 @@ class ChannelHandle:
 
 
 def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not reaped, does not)."""
     if pid <= 0:
         return False
     try:

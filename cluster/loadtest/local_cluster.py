@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cluster.ray.engine_actor import NAMESPACE
 from cluster.ray.launch import RAY_ENV
+from workers.shm_channel import process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD_RESOURCE = "swakv_head"       # pins the engine actor and the Serve replica to the head node
@@ -72,7 +73,7 @@ class LocalCluster:
         """How many of the cluster's processes are still alive (waiting up to ``wait_s`` for them to exit)."""
         deadline = time.monotonic() + wait_s
         while True:
-            alive = [pid for pid in self.pids if _alive(pid)]
+            alive = [pid for pid in self.pids if process_alive(pid)]
             if not alive or time.monotonic() > deadline:
                 return len(alive)
             time.sleep(0.2)
@@ -130,17 +131,3 @@ def _descendants(roots: set[int]) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc")
