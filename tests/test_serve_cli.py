@@ -81,11 +81,11 @@ def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtim
 def test_a_stop_signal_landing_inside_a_string_exec_still_lets_the_server_exit_0(tmp_path):
     # Under ``python -m`` CPython ends the process by SIGINT once a bare KeyboardInterrupt has left a string
     # exec, even if caught: a clean stop exited 254 in CI when the signal landed in one (dataclasses and
-    # namedtuples build methods so). The server's stop handler raises a subclass, which does not trip that.
+    # namedtuples build methods so). The stop handler raises a subclass, which does not trip that.
     (tmp_path / "stop_in_exec.py").write_text(textwrap.dedent("""
         import os, signal, sys
-        from cluster.serve.launch import _stop
-        signal.signal(signal.SIGTERM, _stop)
+        from cluster.serve.supervisor import raise_on_stop
+        raise_on_stop((signal.SIGTERM,))
         try:
             exec("os.kill(os.getpid(), signal.SIGTERM)\\nwhile True: pass", {"os": os, "signal": signal})
         except KeyboardInterrupt:

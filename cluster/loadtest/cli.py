@@ -5,9 +5,11 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 
 from cluster.routing.policies import ROUTERS
+from cluster.serve.supervisor import raise_on_stop
 from cluster.tools.args import non_negative, positive, size_arg
 
 from .config import HOST_TIER, LAYOUTS, ROUTER_WORKLOADS, WORKLOAD_KNOBS, LoadTestConfig
@@ -64,6 +66,10 @@ def _stdout_to_stderr():
 
 
 def _run(args: argparse.Namespace) -> int:
+    # Ctrl-C tears the cluster down on the way out, with a line instead of a traceback. SIGTERM stays Ray's:
+    # a teardown of our own would wait 60 s on a GCS that a group's SIGTERM killed, and the default action
+    # left Ray's agents behind (Ray's handler aborts, with a stack dump, but leaves nothing)
+    replaced = raise_on_stop((signal.SIGINT,))
     try:
         cfg = config_from_args(args).check()
         cfg.sessions()   # a bad workload knob or trace line fails here, before any Ray process starts
@@ -75,6 +81,14 @@ def _run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:   # the cluster could not do its part; it has been torn down
         print(f"swakv loadtest: failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:   # Ctrl-C: the cluster went down on the way here
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"swakv loadtest: stopped by {signal.Signals(signum).name}; its Ray cluster is torn down",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
     plots = write_plots(report, cfg.out_dir) if cfg.out_dir else []
     if args.json:
         print(json.dumps(public_report(report), indent=2))

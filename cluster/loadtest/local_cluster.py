@@ -1,10 +1,15 @@
 """A multi-node Ray cluster on this host (Ray's ``cluster_utils.Cluster``), on loopback, that leaves no
-process behind."""
+process behind: every process it starts carries a mark in its environment, so one that no node list names
+(a node that Ctrl-C interrupted while it started: its agents outlived it) is still found, and killed when the
+cluster goes down on an exception."""
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
 import time
+import uuid
 from pathlib import Path
 
 from cluster.ray.engine_actor import NAMESPACE
@@ -13,6 +18,7 @@ from workers.shm_channel import process_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD_RESOURCE = "swakv_head"       # pins the engine actor and the Serve replica to the head node
+MARK = "SWAKV_LOCAL_CLUSTER"       # set to the cluster's id in the environment of every process it starts
 
 
 class LocalCluster:
@@ -23,8 +29,10 @@ class LocalCluster:
         self.cluster = None
         self.worker_nodes: list = []
         self.pids: list[int] = []
+        self.mark = uuid.uuid4().hex
 
     def __enter__(self) -> LocalCluster:
+        os.environ[MARK] = self.mark
         for key, value in RAY_ENV.items():
             os.environ.setdefault(key, value)
         # Ray's worker processes import the engine builder and the cluster package from here.
@@ -44,15 +52,17 @@ class LocalCluster:
             ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
             self.cluster.wait_for_nodes(timeout=60)
         except BaseException:
-            self.__exit__(None, None, None)
+            self.__exit__(*sys.exc_info())
             raise
         return self
 
     def _all_pids(self) -> list[int]:
-        """The nodes' processes (GCS, raylets, agents) and every descendant (worker processes)."""
-        roots = {i.process.pid for node in [self.cluster.head_node, *self.cluster.worker_nodes]
+        """The nodes' processes (GCS, raylets, agents), every descendant (worker processes), and every other
+        process with this cluster's mark."""
+        nodes = [self.cluster.head_node, *self.cluster.worker_nodes] if self.cluster is not None else []
+        roots = {i.process.pid for node in nodes if node is not None
                  for infos in node.all_processes.values() for i in infos if i.process is not None}
-        return sorted(roots | _descendants(roots))
+        return sorted(roots | _descendants(roots) | _marked(self._mark_entry()))
 
     def __exit__(self, *exc) -> None:
         import ray
@@ -64,16 +74,33 @@ class LocalCluster:
             pass
         if ray.is_initialized():
             ray.shutdown()
+        self.pids = self._all_pids()
         if self.cluster is not None:
-            self.pids = self._all_pids()
             with _private_address():
                 self.cluster.shutdown()
+        if exc and exc[0] is not None:     # interrupted or failed: nothing may outlive the driver
+            self._sweep()
+        os.environ.pop(MARK, None)
+
+    def _sweep(self, wait_s: float = 5.0) -> None:
+        """Kill the processes with this cluster's mark still alive ``wait_s`` after its shutdown: a node
+        interrupted while it started has agents (started by its raylet, after the shutdown looked) that no
+        list names and that the raylet's death does not end."""
+        deadline = time.monotonic() + wait_s
+        while (left := _marked(self._mark_entry())) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _mark_entry(self) -> bytes:
+        return f"{MARK}={self.mark}".encode()
 
     def processes_left(self, wait_s: float = 10.0) -> int:
         """How many of the cluster's processes are still alive (waiting up to ``wait_s`` for them to exit)."""
         deadline = time.monotonic() + wait_s
         while True:
-            alive = [pid for pid in self.pids if process_alive(pid)]
+            alive = {pid for pid in self.pids if process_alive(pid)} | _marked(self._mark_entry())
             if not alive or time.monotonic() > deadline:
                 return len(alive)
             time.sleep(0.2)
@@ -130,4 +157,18 @@ def _descendants(roots: set[int]) -> set[int]:
             if child not in found:
                 found.add(child)
                 todo.append(child)
+    return found
+
+
+def _marked(mark: bytes) -> set[int]:
+    """Live processes (not this one) whose environment holds ``mark`` (``NAME=value``), from /proc."""
+    found = set()
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.add(int(entry))
+            except OSError:
+                continue
     return found

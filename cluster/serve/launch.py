@@ -22,7 +22,7 @@ from cluster.ray.launch import engine_names, init_ray, kill_engines, shutdown_en
 from .edge import GRACEFUL_S, HTTPEdge, bind
 from .openai import DEFAULT_MAX_BODY_BYTES
 from .ray_serve import build_app, run
-from .supervisor import goodbye_deadline
+from .supervisor import goodbye_deadline, raise_on_stop
 
 FRONTENDS = ("direct", "serve")
 EDGE_ACTOR_NAME = "swakv-http"
@@ -109,20 +109,6 @@ def stop_serving(engine_handles: list, timeout_s: float = 30.0, edges: list | No
     return in_flight
 
 
-class StopRequested(KeyboardInterrupt):
-    """The first Ctrl-C or SIGTERM, raised in the main thread wherever it is. Not ``KeyboardInterrupt``
-    itself: under ``python -m``, CPython ends a process by SIGINT once a bare ``KeyboardInterrupt`` has
-    left a string ``exec``/``eval`` (dataclasses and namedtuples build methods that way), even if it was
-    caught, so a clean stop that landed there exited -2 (CI: status 254 from the supervisor)."""
-
-
-def _stop(signum, frame):
-    # the first Ctrl-C or SIGTERM starts the goodbyes; a second one must not cut them short
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise StopRequested
-
-
 def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
                   num_cpus: int | None = None, dashboard: bool = False, max_body_bytes: int | None = None,
                   data_parallel_size: int = 1, router: str = "prefix", frontend: str = "direct",
@@ -141,8 +127,7 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
     started_here = not address
     handles, edges = [], [] if frontend == "direct" else None
 
-    old_sigint = signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGTERM, _stop)
+    old_sigint = raise_on_stop((signal.SIGINT, signal.SIGTERM))[signal.SIGINT]
     try:
         print(f"swakv: starting {data_parallel_size} engine replica(s) and their workers for "
               f"{args.model} ...", flush=True)

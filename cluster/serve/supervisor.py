@@ -71,6 +71,34 @@ def supervise(argv: list[str]) -> int:
     return 0 if code == -signal.SIGTERM and signalled.is_set() else code
 
 
+class StopRequested(KeyboardInterrupt):
+    """A stop signal (``signum``), raised in the main thread wherever it is by ``raise_on_stop``. Not
+    ``KeyboardInterrupt`` itself: under ``python -m``, CPython ends a process by SIGINT once a bare
+    ``KeyboardInterrupt`` has left a string ``exec``/``eval`` (dataclasses and namedtuples build methods that
+    way), even if it was caught, so a clean stop that landed there exited -2 (CI: status 254 from the
+    supervisor)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def raise_on_stop(signums=STOP_SIGNALS) -> dict:
+    """From now on the first of ``signums`` raises ``StopRequested`` in the main thread, and every later one
+    is ignored (a second Ctrl-C must not cut the goodbyes short). Set it again after ``ray.init``: Ray's core
+    worker puts its own SIGTERM handler in, which aborts the process with a stack dump. Returns the
+    handlers it replaced."""
+    def stop(signum, frame):
+        for s in signums:
+            signal.signal(s, signal.SIG_IGN)
+        raise StopRequested(signum)
+
+    return {s: signal.signal(s, stop) for s in signums}
+
+
 def goodbye_deadline() -> None:
     """In a supervised server, once its goodbyes start: if they are not over in ``GOODBYE_S``, kill its whole
     process group (the server, GCS, raylet, the agents). The group is the server's own only when supervised."""
