@@ -496,8 +496,8 @@ except KeyboardInterrupt:
 
 def test_ctrl_c_while_a_node_starts_leaves_none_of_the_clusters_processes_behind():
     # Before: a node interrupted between starting its processes and being listed by Ray's Cluster was shut
-    # down by nobody; its dashboard and runtime-env agents outlived the load test (Ctrl-C 4-6 s into
-    # `swakv loadtest`, 3 of 5 runs). Every process below the driver carries the test's mark.
+    # down by nobody; its dashboard and runtime-env agents outlived the load test (Ctrl-C 5-6 s into
+    # `swakv loadtest`: 4 of 4 stops). Every process below the driver carries the test's mark.
     mark = f"SWAKV_TEST_MARK={os.getpid()}-{os.urandom(4).hex()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
     proc = subprocess.run([sys.executable, "-c", INTERRUPTED_START], cwd=ROOT, env=env, capture_output=True,
