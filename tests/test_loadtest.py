@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -452,6 +453,20 @@ def test_a_servers_port_lies_above_rays_worker_ports_and_below_the_ephemeral_ran
         s.bind(("127.0.0.1", ports.pop()))
 
 
+def marked_processes(mark: str) -> list[str]:
+    """Command lines of the live processes whose environment holds ``mark``."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark.encode() in f.read().split(b"\0"):
+                    with open(f"/proc/{entry}/cmdline", "rb") as g:
+                        found.append(g.read().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
 INTERRUPTED_START = """
 import os
 import time
@@ -503,13 +518,28 @@ def test_ctrl_c_while_a_node_starts_leaves_none_of_the_clusters_processes_behind
     proc = subprocess.run([sys.executable, "-c", INTERRUPTED_START], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
     assert proc.stdout == "interrupted\n", proc.stderr[-3000:]
-    left = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark.encode() in f.read().split(b"\0"):
-                    with open(f"/proc/{entry}/cmdline", "rb") as g:
-                        left.append(g.read().replace(b"\0", b" ").decode(errors="replace")[:80])
-        except OSError:
-            continue
-    assert left == []
+    assert marked_processes(mark) == []
+
+
+def test_ctrl_c_to_a_running_load_tests_process_group_stops_it_with_one_line_status_130_and_nothing_left():
+    mark = f"SWAKV_TEST_MARK={os.getpid()}-{os.urandom(4).hex()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
+    proc = subprocess.Popen([sys.executable, "-m", "cluster", "loadtest", "--nodes", "2", "--duration", "60",
+                             "--layouts", "window-aware", "--no-progress"], cwd=ROOT, env=env,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while sum("raylet" in c for c in marked_processes(mark)) < 2:   # both nodes up: the run is under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)                              # a terminal's Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "swakv loadtest: stopped by SIGINT; its Ray cluster is torn down" in err
+    assert "Traceback" not in err
+    assert marked_processes(mark) == []
