@@ -82,16 +82,22 @@ class LocalCluster:
             self._sweep()
         os.environ.pop(MARK, None)
 
-    def _sweep(self, wait_s: float = 5.0) -> None:
+    def _sweep(self, wait_s: float = 5.0, rounds: int = 20) -> None:
         """Kill the processes with this cluster's mark still alive ``wait_s`` after its shutdown: a node
-        interrupted while it started has agents (started by its raylet, after the shutdown looked) that no
-        list names and that the raylet's death does not end."""
+        interrupted while it started is in no list, its raylet lives until the driver exits, and its agents
+        outlive that. Again until none is left (a raylet restarts an agent killed before it), at most
+        ``rounds`` times."""
         deadline = time.monotonic() + wait_s
         while (left := _marked(self._mark_entry())) and time.monotonic() < deadline:
             time.sleep(0.2)
-        for pid in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+        for _ in range(rounds):
+            if not left:
+                return
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+            left = _marked(self._mark_entry())
 
     def _mark_entry(self) -> bytes:
         return f"{MARK}={self.mark}".encode()
