@@ -453,18 +453,31 @@ def test_a_servers_port_lies_above_rays_worker_ports_and_below_the_ephemeral_ran
         s.bind(("127.0.0.1", ports.pop()))
 
 
-def marked_processes(mark: str) -> list[str]:
-    """Command lines of the live processes whose environment holds ``mark``."""
-    found = []
+def ray_processes() -> dict[int, str]:
+    """pid -> command line of every live Ray process on this host (a node's or a worker's: Ray retitles its
+    agents and workers ``ray::...``, which overwrites their environment, so a mark there is not enough)."""
+    found = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark.encode() in f.read().split(b"\0"):
-                    with open(f"/proc/{entry}/cmdline", "rb") as g:
-                        found.append(g.read().replace(b"\0", b" ").decode(errors="replace"))
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
+        if cmd.startswith("ray::") or any(n in cmd for n in ("/raylet ", "/gcs_server ", "ray/_private/",
+                                                              "ray/dashboard/")):
+            found[int(entry)] = cmd
     return found
+
+
+def ray_processes_left(before: dict[int, str], wait_s: float = 10.0) -> list[str]:
+    """Ray processes that were not running before and still run ``wait_s`` later."""
+    deadline = time.monotonic() + wait_s
+    while (left := [c[:80] for p, c in ray_processes().items() if p not in before]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 INTERRUPTED_START = """
@@ -512,24 +525,23 @@ except KeyboardInterrupt:
 def test_ctrl_c_while_a_node_starts_leaves_none_of_the_clusters_processes_behind():
     # Before: a node interrupted between starting its processes and being listed by Ray's Cluster was shut
     # down by nobody; its dashboard and runtime-env agents outlived the load test (Ctrl-C 5-6 s into
-    # `swakv loadtest`: 4 of 4 stops). Every process below the driver carries the test's mark.
-    mark = f"SWAKV_TEST_MARK={os.getpid()}-{os.urandom(4).hex()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
-    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_START], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=180)
+    # `swakv loadtest`: 4 of 4 stops).
+    before = ray_processes()
+    proc = subprocess.run([sys.executable, "-c", INTERRUPTED_START], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
     assert proc.stdout == "interrupted\n", proc.stderr[-3000:]
-    assert marked_processes(mark) == []
+    assert ray_processes_left(before) == []
 
 
 def test_ctrl_c_to_a_running_load_tests_process_group_stops_it_with_one_line_status_130_and_nothing_left():
-    mark = f"SWAKV_TEST_MARK={os.getpid()}-{os.urandom(4).hex()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), mark.split("=")[0]: mark.split("=")[1]}
+    before = ray_processes()
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "loadtest", "--nodes", "2", "--duration", "60",
-                             "--layouts", "window-aware", "--no-progress"], cwd=ROOT, env=env,
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--layouts", "window-aware", "--no-progress"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while sum("raylet" in c for c in marked_processes(mark)) < 2:   # both nodes up: the run is under way
+        while sum("/raylet " in c for p, c in ray_processes().items() if p not in before) < 2:   # both nodes up
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         time.sleep(1.0)
@@ -542,4 +554,4 @@ def test_ctrl_c_to_a_running_load_tests_process_group_stops_it_with_one_line_sta
     assert proc.returncode == 130, err[-3000:]
     assert "swakv loadtest: stopped by SIGINT; its Ray cluster is torn down" in err
     assert "Traceback" not in err
-    assert marked_processes(mark) == []
+    assert ray_processes_left(before) == []

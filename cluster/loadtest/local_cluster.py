@@ -83,12 +83,16 @@ class LocalCluster:
         os.environ.pop(MARK, None)
 
     def _sweep(self, wait_s: float = 5.0, rounds: int = 20) -> None:
-        """Kill the processes with this cluster's mark still alive ``wait_s`` after its shutdown: a node
-        interrupted while it started is in no list, its raylet lives until the driver exits, and its agents
-        outlive that. Again until none is left (a raylet restarts an agent killed before it), at most
+        """Kill the processes with this cluster's mark, and their descendants, still alive ``wait_s`` after its
+        shutdown: a node interrupted while it started is in no list, its raylet lives until the driver exits,
+        and its agents outlive that. Again until none is left (a raylet restarts an agent killed before it), at most
         ``rounds`` times."""
+        def alive() -> set[int]:   # an agent's title overwrites its environment: found below its raylet
+            marked = _marked(self._mark_entry())
+            return marked | _descendants(marked)
+
         deadline = time.monotonic() + wait_s
-        while (left := _marked(self._mark_entry())) and time.monotonic() < deadline:
+        while (left := alive()) and time.monotonic() < deadline:
             time.sleep(0.2)
         for _ in range(rounds):
             if not left:
@@ -97,7 +101,7 @@ class LocalCluster:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
-            left = _marked(self._mark_entry())
+            left = alive()
 
     def _mark_entry(self) -> bytes:
         return f"{MARK}={self.mark}".encode()
