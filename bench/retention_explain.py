@@ -232,7 +232,8 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     if not trace.lost_tokens:
         print("  none")
     if near > 0:
-        print(f"\nat nearby pools (+-{near:g}%), each on its own schedule:\n{'pool':>7} {'LRU':>6} {'swakv':>6} {'difference':>10}")
+        print(f"\nat nearby pools (+-{near:g}%), each on its own schedule:\n"
+              f"{'pool':>7} {'LRU':>6} {'swakv':>6} {'difference':>10}")
         for p, lru_rate, rate in nearby(workload, windows, layout, pool, near, kw):
             print(f"{p:>7} {lru_rate:>6.3f} {rate:>6.3f} {rate - lru_rate:>+10.3f}")
 

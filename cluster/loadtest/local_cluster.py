@@ -62,7 +62,7 @@ class LocalCluster:
         nodes = [self.cluster.head_node, *self.cluster.worker_nodes] if self.cluster is not None else []
         roots = {i.process.pid for node in nodes if node is not None
                  for infos in node.all_processes.values() for i in infos if i.process is not None}
-        return sorted(roots | _descendants(roots) | _marked(self._mark_entry()))
+        return sorted(roots | _descendants(roots) | self._marked_tree())
 
     def __exit__(self, *exc) -> None:
         import ray
@@ -83,16 +83,11 @@ class LocalCluster:
         os.environ.pop(MARK, None)
 
     def _sweep(self, wait_s: float = 5.0, rounds: int = 20) -> None:
-        """Kill the processes with this cluster's mark, and their descendants, still alive ``wait_s`` after its
-        shutdown: a node interrupted while it started is in no list, its raylet lives until the driver exits,
-        and its agents outlive that. Again until none is left (a raylet restarts an agent killed before it), at most
-        ``rounds`` times."""
-        def alive() -> set[int]:   # an agent's title overwrites its environment: found below its raylet
-            marked = _marked(self._mark_entry())
-            return marked | _descendants(marked)
-
+        """Kill what is left of the cluster ``wait_s`` after its shutdown: a node interrupted while it started
+        is in no list, its raylet lives until the driver exits, and its agents outlive that. Again until
+        none is left (a raylet restarts an agent killed before it), at most ``rounds`` times."""
         deadline = time.monotonic() + wait_s
-        while (left := alive()) and time.monotonic() < deadline:
+        while (left := self._marked_tree()) and time.monotonic() < deadline:
             time.sleep(0.2)
         for _ in range(rounds):
             if not left:
@@ -101,16 +96,19 @@ class LocalCluster:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
-            left = alive()
+            left = self._marked_tree()
 
-    def _mark_entry(self) -> bytes:
-        return f"{MARK}={self.mark}".encode()
+    def _marked_tree(self) -> set[int]:
+        """Live processes with this cluster's mark and all below them (Ray retitles its agents, which
+        overwrites their environment and the mark: they are found below their raylet, which keeps it)."""
+        marked = _marked(f"{MARK}={self.mark}".encode())
+        return marked | _descendants(marked)
 
     def processes_left(self, wait_s: float = 10.0) -> int:
         """How many of the cluster's processes are still alive (waiting up to ``wait_s`` for them to exit)."""
         deadline = time.monotonic() + wait_s
         while True:
-            alive = {pid for pid in self.pids if process_alive(pid)} | _marked(self._mark_entry())
+            alive = {pid for pid in self.pids if process_alive(pid)} | self._marked_tree()
             if not alive or time.monotonic() > deadline:
                 return len(alive)
             time.sleep(0.2)
