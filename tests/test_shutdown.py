@@ -5,7 +5,9 @@ nothing of ours is left (no process that inherited the server's environment: the
 Ray's workers; no shared-memory segment any of them made) and the port is free.
 
 The cases share one port, in order: each server's start on it proves the stop before it freed it at once.
-Every process the server starts carries a marker in its environment, which is how they are found.
+Every process the server starts carries a marker in its environment, which is how they are found, and so does
+every session they run in: Ray retitles its agents (``ray::DashboardAgent``), which overwrites their environment
+and the marker with it, but not their session.
 """
 from __future__ import annotations
 
@@ -31,21 +33,39 @@ STOP_WITHIN_S = 30.0
 PORT = free_port()
 
 
-def processes_marked(mark: bytes) -> dict[int, str]:
-    """pid -> command line of every live process whose environment holds ``mark`` (zombies have none)."""
+def processes_marked(mark: bytes, sessions: frozenset[int] = frozenset()) -> dict[int, str]:
+    """pid -> command line of every live process whose environment holds ``mark`` or which runs in one of
+    ``sessions`` (zombies are neither)."""
     found = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                state, _ppid, _pgid, sid = f.read().rsplit(")", 1)[1].split()[:4]
+            if state == "Z":
+                continue
+            if int(sid) not in sessions:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
         except OSError:
             continue
     return found
+
+
+def sessions_of(pids) -> frozenset[int]:
+    """The session ids of ``pids`` that are still alive."""
+    sessions = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                sessions.add(int(f.read().rsplit(")", 1)[1].split()[3]))
+        except OSError:
+            continue
+    return frozenset(sessions)
 
 
 def port_is_free(port: int) -> bool:
@@ -110,12 +130,12 @@ def stream_in_flight() -> tuple[list[dict], threading.Thread]:
     return events, reader
 
 
-def wait_until_gone(mark: bytes, proc: subprocess.Popen) -> tuple[float, dict[int, str]]:
-    """Seconds until no marked process is left and the port is free (or what is left at the deadline)."""
+def wait_until_gone(mark: bytes, sessions: frozenset[int], proc: subprocess.Popen) -> tuple[float, dict[int, str]]:
+    """Seconds until no process of ours is left and the port is free (or what is left at the deadline)."""
     t0 = time.monotonic()
     while True:
         proc.poll()   # reap the main process: a zombie is not a process of ours
-        left = processes_marked(mark)
+        left = processes_marked(mark, sessions)
         if not left and port_is_free(PORT):
             return time.monotonic() - t0, {}
         if time.monotonic() - t0 > STOP_WITHIN_S:
@@ -134,15 +154,18 @@ def test_serve_stops_completely_within_30_s_however_the_signal_arrives(sig, targ
     token = uuid.uuid4().hex
     mark = f"SWAKV_SHUTDOWN_TEST={token}".encode()
     proc = start_server(token)
+    sessions = frozenset()
     try:
         assert len(processes_marked(mark)) >= 4          # the server, GCS, raylet, workers: all marked
         events, reader = stream_in_flight()
-        ours = processes_marked(mark)
+        sessions = sessions_of(processes_marked(mark))
+        ours = processes_marked(mark, sessions)
+        assert any(cmd.startswith("ray::DashboardAgent") for cmd in ours.values()), ours   # found by session
         if target == "group":
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
-        took, left = wait_until_gone(mark, proc)
+        took, left = wait_until_gone(mark, sessions, proc)
         assert left == {}, f"{len(left)} processes left {took:.0f} s after {sig.name} to the {target}: {left}"
         assert port_is_free(PORT)
         segments = sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(f"swakv-{pid}-") for pid in ours))
@@ -156,7 +179,7 @@ def test_serve_stops_completely_within_30_s_however_the_signal_arrives(sig, targ
         if sig != signal.SIGKILL:
             assert proc.returncode == 0, err[-3000:]
     finally:
-        for pid in processes_marked(mark):   # a failed case must not leave anything to the next one
+        for pid in processes_marked(mark, sessions):   # a failed case must not leave anything to the next one
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
