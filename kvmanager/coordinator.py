@@ -253,7 +253,7 @@ class GroupCoordinator:
         but the real one did (``taken`` drops them from the shadow), so their later free puts them back at
         the shadow's young end. Older in LRU's true order, so this errs on LRU's side, as the floor's
         promise wants; skipped, they were lost to the shadow for good, and with them a RAG trace's shared
-        system prompt (docs/design.md, Retention, eleventh round)."""
+        system prompt (docs/retention-rounds.md, eleventh round)."""
         free = self.pool.free
         floor = free.floor
         lru_hit, sparse_hit, request.lru_hit, request.sparse_hit = request.lru_hit, request.sparse_hit, -1, -1
@@ -262,7 +262,7 @@ class GroupCoordinator:
                 free.referenced(request.block_hashes(bs))
         floor.admitted(hit, lru_hit, request.num_tokens, sparse_hit)
         if lru_hit > hit:       # dense LRU's only (the sparse one's too held the floor on dense LRU where it
-            free.lost_to_lru()  # thrashes: docs/design.md, Retention, eighteenth round)
+            free.lost_to_lru()  # thrashes: docs/retention-rounds.md, eighteenth round)
         for shadow, other in ((floor.dense, lru_hit), (floor.sparse, sparse_hit)):
             if shadow is None or other == hit:
                 continue

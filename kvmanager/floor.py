@@ -17,7 +17,7 @@ the manager knows the hit it granted, ``h_i``, and each LRU's, ``d_i`` and ``s_i
 looked up). The **reference** starts dense and changes only on a pool's worth of evidence: with
 ``lead_i = clamp(lead_{i-1} + s_i - d_i, +-cap)``, it turns sparse once the lead reaches ``+cap``, dense
 again once it reaches ``-cap`` (changing at every sign of the lead, the floor followed the sparse LRU after
-the loss of a single prompt and traded as many losing cells in as out: docs/design.md, Retention,
+the loss of a single prompt and traded as many losing cells in as out: docs/retention-rounds.md,
 eighteenth round). ``l_i`` is the reference's hit at admission ``i`` (chosen before it). Then
 
     credit_i = min(cap, credit_{i-1} + h_i - l_i + SLACK * P_i),   credit_0 = 0

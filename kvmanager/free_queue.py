@@ -110,8 +110,8 @@ LAST_MESSAGE_TOKENS = 256
 
 # Tiers 1 and 2 are claims about the workload (tier 1: no hit ends above those blocks; tier 2: fewer end there
 # than on finished chains), each checked against hits: withdrawn while more than one in DOUBT of the blocks it
-# was made for (about the last four pools' worth) were wanted again (docs/design.md, Retention, thirteenth
-# and fourteenth rounds).
+# was made for (about the last four pools' worth) were wanted again (docs/retention-rounds.md, thirteenth and
+# fourteenth rounds).
 DOUBT = 20
 
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
@@ -288,7 +288,7 @@ class FreeQueue:
         would be filed now (left in place, the first edits' prompt-end windows went before every chain long
         after tier 2's claim was withdrawn: edit sliding 1904, seed 2137125457, 0.551 against vLLM sem.'s
         0.616). Holding again, it takes back only blocks freed from then on: moved back at once, tier 3's
-        blocks of the claim went first in a burst (docs/design.md, Retention, seventeenth round)."""
+        blocks of the claim went first in a burst (docs/retention-rounds.md, seventeenth round)."""
         claimed, wanted = self._claimed[claim], self._wanted[claim]
         holds = wanted * DOUBT < claimed if claim == ANSWER else wanted * DOUBT <= claimed
         if holds != self._held[claim]:

@@ -8,7 +8,7 @@ prefix: the walk stops at the first hash never seen), and the rank of a free blo
 of its count (0, 1, 2-3, 4-7, ...), then the deepest first, then the oldest. Magnitudes, not raw counts:
 raw counts sent the freshest of cyclic sessions, counted least, first although every session comes back
 (LFU's failure on new content); classes "none, one, two or more" tied a document twenty prompts contained
-with one two did (docs/design.md, Retention, twenty-third round).
+with one two did (docs/retention-rounds.md, twenty-third round).
 
 *When* tier 3 follows this order, and the duel that decides it, is ``FreeQueue``'s; this class only keeps
 the counts and the heap. Both are bounded: ``bound`` hashes counted (the oldest referenced forgotten), and

@@ -313,7 +313,7 @@ def test_below_zero_the_evidence_counts_only_the_ghosts_a_longer_hit_would_have_
     # head is gone in either order), so it is no evidence for the tiers. Counting every ghost passed did
     # (edit traces: a cut deep in a history whose interior no order kept; 2 blocks, 32 tokens, here), and
     # wrote off deficits the tiers then lost again (seed 336151821, edit sliding 3230: 0.686 against LRU's
-    # 0.701; docs/design.md, Retention, seventh round).
+    # 0.701; docs/retention-rounds.md, seventh round).
     q = FreeQueue([], (1,))
     q.floor.cap = 1000                            # 16 tokens a block
     for i in range(THRESHOLD):                    # THRESHOLD chains evicted in LRU order and looked up again:
