@@ -3,8 +3,9 @@ batch (``cluster.engine.engine``, ``workers.runtime.step_loop``).
 
 The scheduler's half without workers: joiners are first chunks of waiting requests within the step's room,
 and withdrawing them (the workers took the step without them) leaves the scheduler and the KV manager as
-before their admission, hit and statistics included. Then served over Ray with a real tiny model: requests
-added while a long one decodes join its steps, and every request's tokens are transformers' own.
+before their admission, hit and statistics included. Then served over Ray with a real tiny model, on one
+worker and on two tensor-parallel ranks: requests added while a long one decodes join its steps, and every
+request's tokens are transformers' own.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import functools
 import threading
 import time
 
+import pytest
 import torch
 
 from cluster.engine.build import build_engine
@@ -78,10 +80,13 @@ def reference(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_requests_that_arrive_while_a_request_decodes_join_its_steps_with_transformers_tokens(ray_runtime):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_requests_that_arrive_while_a_request_decodes_join_its_steps_with_transformers_tokens(ray_runtime, tp):
+    """With two tensor-parallel ranks too: they agree on the joiners each step runs (``test_step_loop``)."""
     from cluster.engine.core import EngineCore
     engine, _ = build_engine("tiny-gemma3", block_size=4, num_blocks=512, max_model_len=1024,
-                             executor_cls=RayExecutor, async_scheduling=True)
+                             executor_cls=RayExecutor, async_scheduling=True, tensor_parallel_size=tp,
+                             num_cpus_per_worker=1 / tp)
     assert engine.executor.supports_joins
     core = EngineCore(engine)
     tokens: dict[str, list[int]] = {}

@@ -366,6 +366,11 @@ class ShmBroadcast:
         ring = self._ring
         return [bool(ring.words[ring.reader_word(r, 1)]) for r in range(self.handle.num_readers)]
 
+    def unread(self, reader: int) -> int:
+        """Slots sent that ``reader`` has not taken yet (a message up to ``slot_bytes`` is one slot)."""
+        ring = self._ring
+        return ring.words[4] - ring.words[ring.reader_word(reader, 0)]
+
     def unlink(self) -> None:
         """Remove the segment's name from /dev/shm once every reader has mapped it. The mappings stay valid
         (sending and reading go on as before, until ``close``), and no way of ending the processes, SIGKILL

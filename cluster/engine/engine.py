@@ -23,7 +23,8 @@ the workers restart and everything running recomputes. While requests are under 
 runs one step at a time. Served, the core thread calls ``step`` only when ``next_step_due`` says (``step_clock``):
 a decode step long enough is followed shortly before it ends, not at once, so that arrivals make the next one.
 
-Late joiners (executors with ``supports_joins``: one real worker on the rings). While the engine waits for the
+Late joiners (executors with ``supports_joins``: one stage of real workers on the rings, its tensor-parallel
+ranks running the joiners rank 0 found). While the engine waits for the
 workers to take a step of fed decodes alone, requests that arrive (``take_arrivals``, the served core's hook)
 are admitted at once and their first chunks sent behind it (``Scheduler.schedule_joiners``); a worker that
 finds them when it takes the step runs them in the same batch. Without them a request arriving during step

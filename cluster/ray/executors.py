@@ -217,8 +217,9 @@ class RayExecutor:
 
     @property
     def supports_joins(self) -> bool:
-        """Steps can take late joiners (``workers.runtime.step_loop``): one real worker reads the ring."""
-        return self.supports_async and self._rings.pp * self._rings.tp == 1 and not self._simulated
+        """Steps can take late joiners (``workers.runtime.step_loop``): one stage of real workers reads the
+        ring (its tensor-parallel ranks run the joiners rank 0 found)."""
+        return self.supports_async and self._rings.pp == 1 and not self._simulated
 
     def execute(self, step: StepInput) -> StepOutput:
         return self.collect(self._send(step, STEP))
@@ -332,6 +333,8 @@ class _Rings:
             self.links = [self._segment(ShmSegment(tp, slots=8, slot_bytes=self.LINK_SLOT_BYTES))
                           for _ in range(pp - 1)]
             self.reply = self._segment(ShmSegment(1))
+            # With one stage of several ranks: rank 0 tells the others how many late joiners each step runs.
+            self.decisions = self._segment(ShmSegment(tp - 1, slots=64, slot_bytes=64)) if pp == 1 < tp else None
             # The engine checks its workers this often while it waits for an answer.
             self.reader = ShmReader(self.reply.handle, 0, spin_s=SPIN_S, poll_s=0.2)
         except BaseException:
@@ -356,6 +359,8 @@ class _Rings:
                     role["downstream"] = self.links[s].handle
                 if r == 0 and s == self.pp - 1:
                     role["replies"] = self.reply.handle
+                if self.decisions is not None:
+                    role["decisions"] = self.decisions.handle
                 roles.append(role)
         return roles
 

@@ -18,8 +18,13 @@ Late joiners (``JOIN``): a step the engine wrote while the step before it (a ``S
 holding the first chunks of requests that arrived meanwhile. A worker that finds it in the ring when it takes
 that step runs both as one step (their chunks in one batch) and says so in the acknowledgement (its body:
 the sequence numbers joined), then answers each with its own rows. One found later is dropped unread: the
-engine learned from the acknowledgement that it did not join, and schedules its requests again. Only a ring
-with a single reader carries joiners (the engine's choice): two readers could disagree about what joined.
+engine learned from the acknowledgement that it did not join, and schedules its requests again. The
+tensor-parallel ranks of a stage read the ring each at its own time, so one may find a joiner another
+missed: rank 0, the one that acknowledges, decides, and tells the others how many it found on a ring of
+their own (``decisions``, one small frame per step that may take joiners); a rank that found fewer reads
+the rest from the step ring (every reader sees the same frames in the same order, and the engine writes
+the next step only after the ack), one that found more drops them. Rank 0 never waits for the others, so
+the ack is as early as with one worker. Pipeline stages take no joiners (the engine's choice).
 
 Frames: a 9-byte header (kind, the engine's sequence number of the step) then the body. Plain Python,
 no Ray: ``cluster.ray.worker_actor`` runs it in a worker actor.
@@ -41,7 +46,7 @@ from workers.shm_channel import ChannelClosed, ChannelError, ChannelHandle, ShmB
 log = logging.getLogger("swakv.worker")
 
 HEADER = struct.Struct("<BQ")
-STEP, STEP_ACK, HIDDEN, ERROR, ACK, OUTPUT, JOIN = range(1, 8)   # frame kinds
+STEP, STEP_ACK, HIDDEN, ERROR, ACK, OUTPUT, JOIN, JOINED = range(1, 9)   # frame kinds
 SPIN_S = 0.0        # spinning before sleeping does not pay when workers share cores (docs/performance.md)
 POLL_S = 1.0        # a sleeping worker checks this often that the engine (or the stage before) is alive
 
@@ -75,11 +80,13 @@ def load_error(body) -> BaseException:
 class StepLoop:
     """Worker ``index`` of the engine's step ring. ``upstream``: the link ring from the stage before
     (read as reader ``rank``); ``downstream``: the link to the next stage, ``replies``: the engine's reply
-    ring (written by rank 0 only). Attach in the constructor, run ``run`` in a thread."""
+    ring (written by rank 0 only); ``decisions``: with tensor-parallel ranks, where rank 0 says how many
+    joiners each step runs (it writes, rank ``r`` reads as reader ``r - 1``). Attach in the constructor, run
+    ``run`` in a thread."""
 
     def __init__(self, worker, name: str, steps: ChannelHandle, index: int, *, rank: int = 0,
                  upstream: ChannelHandle | None = None, downstream: ChannelHandle | None = None,
-                 replies: ChannelHandle | None = None):
+                 replies: ChannelHandle | None = None, decisions: ChannelHandle | None = None):
         self.worker, self.name = worker, name
         self.ends: list = []
         try:
@@ -87,6 +94,9 @@ class StepLoop:
             self.upstream = upstream and self._end(ShmReader(upstream, rank, spin_s=SPIN_S, poll_s=POLL_S))
             self.downstream = downstream and self._end(ShmBroadcast.attach(downstream, spin_s=SPIN_S, poll_s=POLL_S))
             self.replies = replies and self._end(ShmBroadcast.attach(replies, spin_s=SPIN_S, poll_s=POLL_S))
+            self.decisions = decisions and self._end(
+                ShmBroadcast.attach(decisions, spin_s=SPIN_S, poll_s=POLL_S) if rank == 0
+                else ShmReader(decisions, rank - 1, spin_s=SPIN_S, poll_s=POLL_S))
         except BaseException:
             self.close()
             raise
@@ -105,11 +115,14 @@ class StepLoop:
                     continue                       # its step was taken without it: dropped (module doc)
                 joiners = []
                 if message[0] == STEP_ACK:
-                    while (later := self.steps.try_recv()) is not None:
-                        if later[0] != JOIN:
-                            ahead = later
-                            break
-                        joiners.append(later)
+                    try:
+                        while (later := self.steps.try_recv()) is not None:
+                            if later[0] != JOIN:
+                                ahead = later
+                                break
+                            joiners.append(later)
+                    except ChannelClosed:          # the step was sent before the close: it still runs
+                        pass
                 self.step(message, joiners)
         except ChannelClosed:
             pass
@@ -134,6 +147,8 @@ class StepLoop:
         if failed is None:
             try:
                 step = decode_step(body)
+                if kind == STEP_ACK and self.decisions is not None:   # every rank, at every such step
+                    joiners = self._decided(seq, joiners)
                 step, joined = self._join(step, joiners)
                 ack = None
                 if kind == STEP_ACK and self.replies is not None:   # once its checks pass; a refusal
@@ -153,11 +168,29 @@ class StepLoop:
                 self.replies.send(frame(OUTPUT, join_seq, encode_output(_take_rows(out, rows, step_id))))
             self.replies.send(frame(OUTPUT, seq, encode_output(out)))
 
+    def _decided(self, seq: int, joiners: list[bytes]) -> list[bytes]:
+        """The joiners rank 0 runs with step ``seq``: rank 0 says how many it found; another rank drops what it
+        found beyond them, or reads the rest from the step ring, where they come next (its search stopped at
+        an empty ring, so it read nothing past them)."""
+        if isinstance(self.decisions, ShmBroadcast):
+            self.decisions.send(frame(JOINED, seq, msgpack.packb(len(joiners))))
+            return joiners
+        kind, decided, body = unframe(self.decisions.recv())
+        if (kind, decided) != (JOINED, seq):
+            raise ChannelError(f"{self.name}: rank 0 decided step {decided} (kind {kind}) for step {seq}")
+        wanted = msgpack.unpackb(body)
+        while len(joiners) < wanted:
+            message = self.steps.recv()
+            if message[0] != JOIN:
+                raise ChannelError(f"{self.name}: rank 0 ran {wanted} joiners, the ring holds {len(joiners)}")
+            joiners.append(message)
+        return joiners[:wanted]
+
     def _join(self, step: StepInput, joiners: list[bytes]) -> tuple[StepInput, list[tuple[int, int, set[str]]]]:
         """``step`` with the joiners' chunks and compositions appended, if the worker's checks pass on that
         (else ``step`` alone: the joiners are dropped); and per joiner, its sequence number, step id and
         requests."""
-        if not joiners or self.replies is None or not hasattr(self.worker, "check"):
+        if not joiners or not hasattr(self.worker, "check"):
             return step, []
         merged, joined = step, []
         for message in joiners:
