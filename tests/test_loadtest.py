@@ -533,7 +533,9 @@ def test_ctrl_c_while_a_node_starts_leaves_none_of_the_clusters_processes_behind
     assert ray_processes_left(before) == []
 
 
-def test_ctrl_c_to_a_running_load_tests_process_group_stops_it_with_one_line_status_130_and_nothing_left():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_to_a_running_load_tests_process_group_stops_it_with_one_line_and_nothing_left(sig):
+    """A terminal's Ctrl-C, or a service manager's SIGTERM to the group: one line, status 128 + the signal."""
     before = ray_processes()
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "loadtest", "--nodes", "2", "--duration", "60",
                              "--layouts", "window-aware", "--no-progress"], cwd=ROOT,
@@ -545,13 +547,13 @@ def test_ctrl_c_to_a_running_load_tests_process_group_stops_it_with_one_line_sta
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         time.sleep(1.0)
-        os.killpg(proc.pid, signal.SIGINT)                              # a terminal's Ctrl-C
+        os.killpg(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert proc.returncode == 130, err[-3000:]
-    assert "swakv loadtest: stopped by SIGINT; its Ray cluster is torn down" in err
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert f"swakv loadtest: stopped by {sig.name}; its Ray cluster is torn down" in err
     assert "Traceback" not in err
     assert ray_processes_left(before) == []

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from cluster.routing.policies import ROUTERS
-from cluster.serve.supervisor import raise_on_stop
+from cluster.serve.supervisor import raise_on_stop, supervise, supervised
 from cluster.tools.args import non_negative, positive, size_arg
 
 from .config import HOST_TIER, LAYOUTS, ROUTER_WORKLOADS, WORKLOAD_KNOBS, LoadTestConfig
@@ -66,13 +66,21 @@ def _stdout_to_stderr():
 
 
 def _run(args: argparse.Namespace) -> int:
-    # Ctrl-C tears the cluster down on the way out, with a line instead of a traceback. SIGTERM stays Ray's:
-    # a teardown of our own would wait 60 s on a GCS that a group's SIGTERM killed, and the default action
-    # left Ray's agents behind (Ray's handler aborts, with a stack dump, but leaves nothing)
-    replaced = raise_on_stop((signal.SIGINT,))
+    # The load test runs in a child in a session of its own (cluster/serve/supervisor.py), so a signal to the
+    # terminal's or a service manager's process group reaches the supervisor alone, which passes it on: Ray's
+    # GCS and raylets, in the child's group, never see it (a group's SIGTERM killed them under the teardown,
+    # which then waited 60 s on the dead GCS). Any stop signal tears the cluster down on the way out, with a
+    # line instead of a traceback. Bad arguments fail first, in this process.
     try:
         cfg = config_from_args(args).check()
         cfg.sessions()   # a bad workload knob or trace line fails here, before any Ray process starts
+    except (ValueError, TypeError) as exc:
+        print(f"swakv loadtest: error: {exc}", file=sys.stderr)
+        return 2
+    if getattr(args, "argv", None) is not None and not supervised():   # argv: from the command line
+        return supervise(args.argv, as_sent=True)
+    replaced = raise_on_stop()
+    try:
         with _stdout_to_stderr():
             report = run_loadtest(cfg)
     except (ValueError, TypeError) as exc:
@@ -81,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:   # the cluster could not do its part; it has been torn down
         print(f"swakv loadtest: failed: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as exc:   # Ctrl-C: the cluster went down on the way here
+    except KeyboardInterrupt as exc:   # a stop signal: the cluster went down on the way here
         signum = getattr(exc, "signum", signal.SIGINT)
         print(f"swakv loadtest: stopped by {signal.Signals(signum).name}; its Ray cluster is torn down",
               file=sys.stderr)

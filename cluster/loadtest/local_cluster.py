@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -44,12 +45,13 @@ class LocalCluster:
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialised in this process; the load test brings up its own cluster")
         try:
-            with _private_address():
-                self.cluster = Cluster(initialize_head=True, head_node_args={
-                    "num_cpus": 0, "resources": {HEAD_RESOURCE: 1}, "include_dashboard": False})
-            self.worker_nodes = [self.cluster.add_node(num_cpus=self.cpus_per_node)
-                                 for _ in range(self.nodes - 1)]
-            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+            with _callers_stop_handlers():
+                with _private_address():
+                    self.cluster = Cluster(initialize_head=True, head_node_args={
+                        "num_cpus": 0, "resources": {HEAD_RESOURCE: 1}, "include_dashboard": False})
+                self.worker_nodes = [self.cluster.add_node(num_cpus=self.cpus_per_node)
+                                     for _ in range(self.nodes - 1)]
+                ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
             self.cluster.wait_for_nodes(timeout=60)
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -116,7 +118,8 @@ class LocalCluster:
     def restore(self) -> None:
         """Add worker nodes until there are ``nodes - 1`` again (after a node was killed), as an autoscaler would."""
         while len(self.cluster.worker_nodes) < self.nodes - 1:
-            self.worker_nodes.append(self.cluster.add_node(num_cpus=self.cpus_per_node))
+            with _callers_stop_handlers():
+                self.worker_nodes.append(self.cluster.add_node(num_cpus=self.cpus_per_node))
         self.cluster.wait_for_nodes(timeout=60)
 
     def node_index(self, node_id: str) -> int:
@@ -124,6 +127,30 @@ class LocalCluster:
         if self.cluster.head_node.node_id == node_id:
             return 0
         return 1 + [n.node_id for n in self.worker_nodes].index(node_id)
+
+
+@contextlib.contextmanager
+def _callers_stop_handlers():
+    """Keep the caller's SIGTERM and SIGINT handlers while the cluster starts: each node ``Cluster`` starts in
+    this process installs a SIGTERM handler of its own (it drains for up to 30 s), and so does ``ray.init``'s
+    core worker (it aborts with a stack dump). Ray's helper that installs them does nothing meanwhile, so a
+    SIGTERM during the start reaches the caller's handler too; the handlers are put back as they were."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import ray._private.utils as ray_utils
+    install = getattr(ray_utils, "set_sigterm_handler", None)
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    if install is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if install is not None:
+            ray_utils.set_sigterm_handler = install
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 @contextlib.contextmanager

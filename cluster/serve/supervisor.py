@@ -1,4 +1,5 @@
-"""``swakv serve`` as a supervisor and its server: a stop is bounded and complete however the signal arrives.
+"""``swakv serve`` (and ``swakv loadtest``) as a supervisor and its child: a stop is bounded and complete
+however the signal arrives.
 
 The server runs in a child process in a session of its own, so a signal to the terminal's or a service
 manager's process group (Ctrl-C, ``kill -TERM -PGID``, systemd's default) reaches only the supervisor,
@@ -33,10 +34,11 @@ def supervised() -> bool:
     return bool(os.environ.get(SUPERVISED))
 
 
-def supervise(argv: list[str]) -> int:
+def supervise(argv: list[str], *, as_sent: bool = False) -> int:
     """Run ``python -m cluster *argv`` (the server) as a child in its own session and process group, pass
-    the first SIGINT / SIGTERM / SIGHUP on to it alone, and once it ends, kill whatever is left in its
-    group; return its exit status."""
+    the first SIGINT / SIGTERM / SIGHUP on to it alone (as SIGTERM; ``as_sent``: as it came, for a child
+    that reports which stopped it), and once it ends, kill whatever is left in its group; return its exit
+    status."""
     parent = os.getpid()
 
     def in_child():   # after fork, before exec: die with the supervisor, even if it is already gone
@@ -51,7 +53,7 @@ def supervise(argv: list[str]) -> int:
     def forward(signum, frame):
         if not signalled.is_set():   # the first one starts the goodbyes; more must not cut them short
             signalled.set()
-            _signal(child.pid, signal.SIGTERM, group=False)
+            _signal(child.pid, signum if as_sent else signal.SIGTERM, group=False)
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
