@@ -98,6 +98,35 @@ def test_a_stop_signal_landing_inside_a_string_exec_still_lets_the_server_exit_0
     assert (proc.returncode, proc.stdout) == (0, "stopped\n"), proc.stderr
 
 
+def test_a_stop_signal_that_lands_inside_ray_get_still_names_its_signal(ray_runtime):
+    """Ray turns the handler's ``StopRequested`` raised inside ``ray.get`` into a plain ``KeyboardInterrupt``;
+    what stopped the process (``swakv loadtest`` prints it, and exits 128 + it) is SIGTERM all the same."""
+    import threading
+
+    from cluster.serve.supervisor import StopRequested, raise_on_stop
+
+    @ray_runtime.remote
+    def sleeps():
+        time.sleep(60)
+    ref, caught = sleeps.remote(), None
+    replaced = raise_on_stop((signal.SIGTERM,))
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        try:
+            ray_runtime.get(ref, timeout=30)
+        except KeyboardInterrupt as exc:
+            caught = exc
+        stopped_by = StopRequested.signal_of(caught)
+    finally:
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
+        StopRequested.received = None
+        ray_runtime.cancel(ref, force=True)
+    assert type(caught) is KeyboardInterrupt and stopped_by == signal.SIGTERM
+    assert StopRequested.signal_of(StopRequested(signal.SIGHUP)) == signal.SIGHUP
+    assert StopRequested.signal_of(KeyboardInterrupt()) == signal.SIGINT       # nothing took a signal: Ctrl-C
+
+
 def test_sleep_factor_is_refused_without_simulated_workers_and_when_negative():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     alone = subprocess.run([sys.executable, "-m", "cluster", "serve", "--sleep-factor", "1"], cwd=ROOT, env=env,

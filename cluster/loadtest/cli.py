@@ -9,7 +9,7 @@ import signal
 import sys
 
 from cluster.routing.policies import ROUTERS
-from cluster.serve.supervisor import raise_on_stop, supervise, supervised
+from cluster.serve.supervisor import StopRequested, raise_on_stop, supervise, supervised
 from cluster.tools.args import non_negative, positive, size_arg
 
 from .config import HOST_TIER, LAYOUTS, ROUTER_WORKLOADS, WORKLOAD_KNOBS, LoadTestConfig
@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"swakv loadtest: failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:   # a stop signal: the cluster went down on the way here
-        signum = getattr(exc, "signum", signal.SIGINT)
+        signum = StopRequested.signal_of(exc)
         print(f"swakv loadtest: stopped by {signal.Signals(signum).name}; its Ray cluster is torn down",
               file=sys.stderr)
         return 128 + signum

@@ -80,9 +80,18 @@ class StopRequested(KeyboardInterrupt):
     way), even if it was caught, so a clean stop that landed there exited -2 (CI: status 254 from the
     supervisor)."""
 
+    received: int | None = None     # the signal ``raise_on_stop``'s handler took, whatever became of its exception
+
     def __init__(self, signum: int = signal.SIGINT):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+    @classmethod
+    def signal_of(cls, exc: KeyboardInterrupt) -> int:
+        """The signal that stopped this process: the exception's own; else the one the handler took (a stop
+        raised inside ``ray.get`` comes back out of Ray as a plain ``KeyboardInterrupt``); else SIGINT
+        (Python's own ``KeyboardInterrupt``)."""
+        return getattr(exc, "signum", None) or cls.received or signal.SIGINT
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -96,6 +105,7 @@ def raise_on_stop(signums=STOP_SIGNALS) -> dict:
     def stop(signum, frame):
         for s in signums:
             signal.signal(s, signal.SIG_IGN)
+        StopRequested.received = signum
         raise StopRequested(signum)
 
     return {s: signal.signal(s, stop) for s in signums}
