@@ -164,7 +164,7 @@ class RayExecutor:
             self._stages = [self.actors[s:s + tp] for s in range(0, n, tp)]
             here = ray.get_runtime_context().get_node_id()
             if self.shm_rings and all(node == here for _, node in started):
-                self._rings = _Rings(pp, tp)
+                self._rings = _Rings(pp, tp, joins=not self._simulated)
                 ray.get([a.serve.remote(name, rings) for a, name, rings
                          in zip(self.actors, self.worker_names, self._rings.roles())], timeout=self.start_timeout_s)
                 self._rings.unlink()        # every worker mapped its rings in ``serve``: the names may go
@@ -324,7 +324,7 @@ class _Rings:
 
     LINK_SLOT_BYTES = 1 << 20            # hidden states: a chunk of 512 tokens x 5k x 2 bytes is 5 MB
 
-    def __init__(self, pp: int, tp: int):
+    def __init__(self, pp: int, tp: int, *, joins: bool = False):
         self.pp, self.tp = pp, tp
         self.segments: list = []
         self.steps = self.reader = None
@@ -333,8 +333,10 @@ class _Rings:
             self.links = [self._segment(ShmSegment(tp, slots=8, slot_bytes=self.LINK_SLOT_BYTES))
                           for _ in range(pp - 1)]
             self.reply = self._segment(ShmSegment(1))
-            # With one stage of several ranks: rank 0 tells the others how many late joiners each step runs.
-            self.decisions = self._segment(ShmSegment(tp - 1, slots=64, slot_bytes=64)) if pp == 1 < tp else None
+            # With one stage of several ranks that take late joiners (``joins``: real workers): rank 0 tells the
+            # others how many each step runs.
+            self.decisions = (self._segment(ShmSegment(tp - 1, slots=64, slot_bytes=64))
+                              if joins and pp == 1 < tp else None)
             # The engine checks its workers this often while it waits for an answer.
             self.reader = ShmReader(self.reply.handle, 0, spin_s=SPIN_S, poll_s=0.2)
         except BaseException:
