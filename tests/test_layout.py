@@ -22,6 +22,7 @@ is longer than 600 lines. docs/design.md explains the layout.
 from __future__ import annotations
 
 import ast
+import gc
 import sys
 from pathlib import Path
 
@@ -66,12 +67,26 @@ def is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+def parse(path: Path) -> ast.Module:
+    """``ast.parse`` with the collector paused. CPython 3.11 keeps one AST recursion counter per
+    interpreter: a finalizer that runs mid-parse and reports an error formats a traceback, which parses
+    source for its carets, and the outer parse then fails with "AST constructor recursion depth
+    mismatch" (a CI run, stop 49: an earlier test's SharedMemory collected here)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"), str(path))
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def imports(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file, wherever it is (functions included)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -4,12 +4,14 @@ peer is an error, never a hang; closing leaves nothing in /dev/shm. Readers and 
 processes (spawned), as engine and workers do."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import multiprocessing as mp
 import os
 import random
 import select
 import signal
+import sys
 import time
 
 import pytest
@@ -323,6 +325,22 @@ def test_close_unlinks_the_segment_readers_drain_then_see_closed_and_nothing_is_
         with ShmBroadcast(3, slots=2, slot_bytes=64) as w:
             ShmReader(w.handle, 2).close()
     assert _segments() == before
+
+
+def test_a_writer_dropped_unclosed_is_collected_without_an_error(monkeypatch):
+    """An end nobody closed (an engine torn down by an exception) goes to the collector; the writer's
+    ``SharedMemory`` must not fail there on views of its mapping still open: such an error, reported
+    mid-``ast.parse`` on CPython 3.11, broke a CI run."""
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    writer = ShmBroadcast(1, slots=2, slot_bytes=64)
+    name = writer.handle.name
+    writer.send(b"x")
+    writer.unlink()
+    del writer
+    gc.collect()
+    assert [(u.exc_type, str(u.exc_value)) for u in reported] == []
+    assert name not in _segments()
 
 
 def test_a_ring_unlinked_once_its_ends_attached_goes_on_and_nothing_can_attach_any_more():

@@ -115,22 +115,24 @@ def _address(name: str, who: str) -> bytes:
 class _Ring:
     """The mapped segment and its word view; shared by both ends. ``owner``: the writer's
     ``SharedMemory`` (registered with its process's resource tracker, which unlinks it if the writer
-    dies), else None: a reader maps the segment itself, so no tracker of its own ever unlinks it."""
+    dies), else None: a reader maps the segment itself, so no tracker of its own ever unlinks it.
+    Both ends map it here: the owner's own mapping is closed at once, so that an end never closed and
+    left to the collector cannot make ``SharedMemory.__del__`` fail on views still open (which, run
+    mid-``ast.parse`` on CPython 3.11, broke a CI run)."""
 
     def __init__(self, handle: ChannelHandle, owner: shared_memory.SharedMemory | None = None):
         self.handle, self.owner = handle, owner
+        try:
+            fd = os.open(f"/dev/shm/{handle.name}", os.O_RDWR)
+        except FileNotFoundError:
+            raise ChannelError(f"channel {handle.name} does not exist (closed, or never created)") from None
+        try:
+            self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
         if owner is not None:
-            self._map, self.buf = None, owner.buf
-        else:
-            try:
-                fd = os.open(f"/dev/shm/{handle.name}", os.O_RDWR)
-            except FileNotFoundError:
-                raise ChannelError(f"channel {handle.name} does not exist (closed, or never created)") from None
-            try:
-                self._map = mmap.mmap(fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
-            self.buf = memoryview(self._map)
+            owner.close()                  # kept only to unlink the name
+        self.buf = memoryview(self._map)
         self.words = self.buf.cast("Q")
         self.stride = SLOT_HEADER_BYTES + handle.slot_bytes
         self.slots_at = 8 * (HEADER_WORDS + READER_WORDS * handle.num_readers)
@@ -172,11 +174,8 @@ class _Ring:
     def release(self) -> None:
         self.sock.close()
         self.words.release()
-        if self.owner is not None:
-            self.owner.close()
-        else:
-            self.buf.release()
-            self._map.close()
+        self.buf.release()
+        self._map.close()
         self.buf = self.words = None
 
 
