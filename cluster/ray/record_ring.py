@@ -139,6 +139,8 @@ class RecordWriter:
             self._on_gone()
         finally:
             with self._cond:
+                while self._busy:         # a ``put`` on the loop is writing: closing under it would pull
+                    self._cond.wait()     # the mapping from under its copy
                 self._busy = True         # nothing writes to a closed ring
             self.ring.close()
 
