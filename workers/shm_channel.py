@@ -388,15 +388,17 @@ class ShmBroadcast:
             return
         self.closed = True
         ring = self._ring
-        ring.words[5] = 1
-        _fence()
-        for r in range(self.handle.num_readers):
-            ring.wake(f"r{r}")
-        shm = ring.owner
-        ring.release()
-        if shm is not None and self._named:      # else unlinked already, or its owner does (``ShmSegment``)
-            self._named = False
-            _unlink_owned(shm)
+        try:
+            ring.words[5] = 1
+            _fence()
+            for r in range(self.handle.num_readers):
+                ring.wake(f"r{r}")
+        finally:                                 # a wake-up that failed must not leave the segment behind
+            shm = ring.owner
+            ring.release()
+            if shm is not None and self._named:  # else unlinked already, or its owner does (``ShmSegment``)
+                self._named = False
+                _unlink_owned(shm)
 
     def __enter__(self):
         return self
