@@ -63,10 +63,13 @@ def test_an_error_event_and_a_refusal_are_reported_with_their_message():
 def test_a_server_that_stops_answering_is_a_timeout_not_a_hang():
     async def main():
         async def handle(reader, writer):
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(HEAD + b"%x\r\n%s\r\n" % (len(_event([1])), _event([1])))
-            await writer.drain()
-            await asyncio.sleep(3)
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(HEAD + b"%x\r\n%s\r\n" % (len(_event([1])), _event([1])))
+                await writer.drain()
+                await asyncio.sleep(3)
+            finally:
+                writer.close()
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         async with server:
             return await stream_completion("127.0.0.1", server.sockets[0].getsockname()[1], b"{}", 0.5)

@@ -42,6 +42,7 @@ import select
 import socket
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -110,6 +111,19 @@ def _unlink(name: str) -> None:
 
 def _address(name: str, who: str) -> bytes:
     return f"\0swakv-shm/{name}/{who}".encode()
+
+
+def _unclosed(end, closed: bool) -> None:
+    """An end the collector found open (its owner forgot ``close``, or died of an exception): say so, as
+    an unclosed file does, then close it, so that readers see the close and the name leaves /dev/shm."""
+    if closed:
+        return
+    try:
+        warnings.warn(f"{type(end).__name__} of channel {end.handle.name} was never closed", ResourceWarning,
+                      source=end)
+        end.close()
+    except Exception:  # noqa: BLE001 - at interpreter exit the modules it needs may be gone
+        pass
 
 
 class _Ring:
@@ -236,6 +250,9 @@ class ShmSegment:
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        _unclosed(self, getattr(self, "_shm", None) is None)
 
 
 class ShmBroadcast:
@@ -406,6 +423,9 @@ class ShmBroadcast:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        _unclosed(self, getattr(self, "closed", True))
+
 
 class ShmReader:
     """Reader ``index`` of a broadcast ring (attach in the reader's own process)."""
@@ -555,3 +575,6 @@ class ShmReader:
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        _unclosed(self, getattr(self, "closed", True))
