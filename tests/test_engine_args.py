@@ -23,6 +23,11 @@ from cluster.serve.builder import build
     ({"num_gpus_per_worker": -1}, "num_gpus_per_worker must be a finite number >= 0, got -1"),
     ({"simulated_gpu": "B200"}, "unknown GPU 'B200'; known: H100-80GB, H200, A100-80GB, L40S"),
     ({"model": 42}, "model must be a model directory, a model name or a loaded model, got 42"),
+    ({"compile_model": 1}, "compile_model must be true or false, got 1"),
+    ({"compile_model": True, "tensor_parallel_size": 2}, "compile_model compiles one real worker holding the "
+                                                         "whole model: it cannot go with simulated_gpu"),
+    ({"compile_model": True, "simulated_gpu": "H200"}, "compile_model compiles one real worker"),
+    ({"compile_model": True, "cuda_graphs": True}, "compile_model compiles one real worker"),
 ])
 def test_a_bad_engine_argument_is_named(changes, message):
     with pytest.raises(ValueError, match=message):

@@ -49,6 +49,9 @@ from kvmanager.checks import is_int, is_number
 
 MAX_LOGPROBS = 20                      # top logprobs a request may ask for (vLLM's default bound)
 GREEDY_BELOW = 1e-5                    # temperatures below this are greedy (as vLLM's sampler treats them)
+# Requests the engine runs before serving with ``compile_model``, so that the compiled forward meets each
+# class of step shape first; a worker compiles no new shape after its first step without one of them.
+WARM_UP_PREFIX = "swakv-warm-up-"
 
 
 @dataclass(frozen=True)

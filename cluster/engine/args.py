@@ -59,6 +59,9 @@ class EngineArgs:
     async_scheduling: bool = _arg(True, "schedule step N+1 while step N runs on the workers (executors that "
                                         "can submit a step and collect it later; others run one step at a time)")
     cuda_graphs: bool = _arg(False, "replay decode-only steps from CUDA graphs (CUDA devices)")
+    compile_model: bool = _arg(False, "run the model's forward through torch.compile (one stage, one rank, no CUDA "
+                                      "graphs; start-up compiles the common step shapes first: tens of seconds on "
+                                      "a small CPU)")
 
     def __post_init__(self) -> None:
         model = self.model
@@ -80,7 +83,7 @@ class EngineArgs:
             if self.kv_host_memory:
                 raise ValueError("give kv_host_memory or num_host_blocks, not both")
         for name in ("enable_prefix_caching", "kv_host_speculative_stores", "spread_stages", "sliding_as_full",
-                     "async_scheduling", "cuda_graphs"):
+                     "async_scheduling", "cuda_graphs", "compile_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("num_gpus_per_worker", "num_cpus_per_worker", "sleep_factor"):
@@ -89,6 +92,10 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
+        if self.compile_model and (self.simulated_gpu is not None or self.cuda_graphs
+                                   or self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ValueError("compile_model compiles one real worker holding the whole model: it cannot go with "
+                             "simulated_gpu, cuda_graphs, tensor_parallel_size > 1 or pipeline_parallel_size > 1")
         if self.sleep_factor and self.simulated_gpu is None:
             raise ValueError("sleep_factor needs simulated_gpu (only simulated workers sleep)")
         if self.simulated_gpu is not None:

@@ -4,7 +4,9 @@ own) and returns the engine with its model info."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,12 @@ from kvmanager.checks import is_int
 from kvmanager.planning import KVLayout, as_full_attention, kv_layout, split_stages
 
 from .args import EngineArgs
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, EngineMetrics
 from .executor import LocalExecutor
 from .kv_events import group_metadata
+from .types import SamplingParams
 
+log = logging.getLogger("swakv.engine")
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[2] / "models" / "swakv-tiny-hybrid")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20   # on CPU; a GPU run should pass what its memory leaves
 # The default step budget where no roofline times the steps: real workers (none of their device here) and
@@ -105,6 +109,8 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
                                  host_speculative_stores=args.kv_host_speculative_stores,
                                  prefill_room=prefill_room),
                     group_widths=layout.group_widths)
+    if args.compile_model:
+        _warm_up_compiled(engine, args.block_size, plan["vocab_size"])
     model = plan["model"]
     path = model if isinstance(model, str) else type(model).__name__
     info = {"model": os.path.basename(path.rstrip("/")) if os.path.isdir(path) else path,
@@ -117,6 +123,26 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
             "max_num_batched_tokens": step_tokens, "kv_groups": group_metadata(layout.group_specs),
             "num_host_blocks": num_host_blocks, "kv_host_memory_bytes": args.kv_host_memory or 0}
     return engine, info
+
+
+def _warm_up_compiled(engine: Engine, block_size: int, vocab_size: int) -> None:
+    """Serve the step shapes torch.compile tells apart (one sequence or several, one token or several, a table
+    of one block or more) before any client, so that none waits seconds on a compile; then forget their
+    KV. Workers started again after a fault compile on their first steps instead."""
+    from workers.protocol import WARM_UP_PREFIX
+    log.info("compile_model: compiling the step shapes before serving (seconds per shape)")
+    started = time.perf_counter()
+    tokens = [1 + i % (vocab_size - 1) for i in range(3 * block_size)]
+    params = SamplingParams(max_tokens=3)
+    for n, prompts in enumerate(([tokens], [tokens[::-1], tokens[1:]], [tokens[:block_size // 2]])):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{WARM_UP_PREFIX}{n}.{i}", prompt, params)
+        while engine.has_work():
+            engine.step()
+    if not engine.scheduler.manager.reset_prefix_cache():
+        raise RuntimeError("compile_model: the warm-up's requests still hold blocks after they finished")
+    engine.metrics = EngineMetrics()       # the operator's counters start with the first client
+    log.info("compile_model: warm-up done in %.1f s", time.perf_counter() - started)
 
 
 def host_unit_bytes(layout: KVLayout, tensor_parallel_size: int) -> int:
@@ -186,7 +212,8 @@ def _model_plan(args: EngineArgs, in_process: bool) -> dict:
         model=model, specs=specs, limit=getattr(config, "max_position_embeddings", None) or 4096,
         vocab_size=config.vocab_size, eos=eos_token_ids("" if instance else model, config),
         default_memory=DEFAULT_KV_CACHE_MEMORY,
-        common=dict(model=model, seed=args.seed, device=args.device, cuda_graphs=args.cuda_graphs),
+        common=dict(model=model, seed=args.seed, device=args.device, cuda_graphs=args.cuda_graphs,
+                    compile_model=args.compile_model),
         per_stage=[dict(layers=b, stage=i, tensor_parallel_size=tp, tensor_parallel_rank=r)
                    for i, b in enumerate(bounds) for r in range(tp)],
         step_tokens=DEFAULT_STEP_TOKENS, prefill_room=None)

@@ -76,12 +76,37 @@ def _paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                            f"{window}; the config and the model class disagree")
     k_cache, v_cache = kv.caches[layer]
     group, member = kv.groups[layer], kv.members[layer]
-    store_kv(k_cache, v_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), batch.slot_mappings[group][member],
-             null_ok=batch.padded)
-    out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, batch.block_tables[group][member],
-                          batch.seq_lens, batch.query_lens, window=window, scale=scaling, softcap=softcap,
-                          chunk_size=bounds["chunk_size"])
+    args = (query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
+            batch.slot_mappings[group][member], batch.block_tables[group][member], batch.seq_lens, batch.query_lens)
+    if torch.compiler.is_compiling():   # one opaque op: the kernel's per-step planning is Python, not a graph
+        out = torch.ops.swakv.store_and_attend(*args, window or 0, float(scaling), float(softcap or 0.0),
+                                               bounds["chunk_size"] or 0, batch.padded)
+    else:
+        out = _store_and_attend(*args, window, scaling, softcap, bounds["chunk_size"], batch.padded)
     return out.unsqueeze(0), None
+
+
+def _store_and_attend(query, key, value, k_cache, v_cache, slots, table, seq_lens, query_lens, window, scale,
+                      softcap, chunk_size, null_ok):
+    store_kv(k_cache, v_cache, key, value, slots, null_ok=null_ok)
+    return paged_attention(query, k_cache, v_cache, table, seq_lens, query_lens, window=window, scale=scale,
+                           softcap=softcap, chunk_size=chunk_size)
+
+
+@torch.library.custom_op("swakv::store_and_attend", mutates_args=("k_cache", "v_cache"))
+def _store_and_attend_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
+                         query_lens: torch.Tensor, window: int, scale: float, softcap: float, chunk_size: int,
+                         null_ok: bool) -> torch.Tensor:
+    """A layer's K/V write and paged attention as one op a compiled forward calls (0: no window, softcap, chunk)."""
+    return _store_and_attend(query, key, value, k_cache, v_cache, slots, table, seq_lens, query_lens, window or None,
+                             scale, softcap or None, chunk_size or None, null_ok)
+
+
+@_store_and_attend_op.register_fake
+def _(query, key, value, k_cache, v_cache, slots, table, seq_lens, query_lens, window, scale, softcap, chunk_size,
+      null_ok):
+    return torch.empty_like(query)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
@@ -131,6 +156,21 @@ class StageModel:
         self.hidden_size = model.config.get_text_config().hidden_size
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._prune(base, num_layers)
+        self._call = self.model
+        self._frozen = False
+
+    def compile(self) -> None:
+        """Run the model's forward through ``torch.compile`` (dynamic shapes): transformers' per-layer Python
+        and small ops become a few fused kernels; attention stays one opaque op per layer. Each class of
+        step shape (one sequence or several, one token or several, tables of one block or more) compiles on
+        its first step, seconds each, until ``freeze``."""
+        if not (self.is_first and self.is_last):
+            raise ValueError("compiling the model's forward needs the whole model in one stage")
+        self._call = torch.compile(self.model, dynamic=True)
+
+    def freeze(self) -> None:
+        """From now on a step shape no graph fits runs eagerly instead of stalling its step on a compile."""
+        self._frozen = True
 
     @property
     def layer_indices(self) -> range:
@@ -166,7 +206,10 @@ class StageModel:
         common = {"position_ids": batch.positions[None], "use_cache": False, "swakv": (kv, batch)}
         if self.is_last:
             keep = 0 if batch.logits_indices is None else batch.logits_indices   # 0: every row
-            return self.model(**inputs, **common, logits_to_keep=keep).logits[0]
+            if self._frozen:
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
+            return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
         return self.model.model(**inputs, **common).last_hidden_state[0]
 
 

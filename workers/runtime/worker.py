@@ -39,8 +39,8 @@ from workers.runtime.model_runner import (PagedKV, StageModel, StepBatch, check_
                                   stage_range)
 from workers.runtime.cuda_graphs import BATCH_SIZES, DecodeGraphs
 from workers.runtime.mirrors import BlockTableMirrors
-from workers.protocol import (RequestError, StepInput, StepOutput, check_chunk_fields, check_compositions,
-                              check_transfers)
+from workers.protocol import (WARM_UP_PREFIX, RequestError, StepInput, StepOutput, check_chunk_fields,
+                              check_compositions, check_transfers)
 from workers.runtime.host_pool import HostKVPool
 from workers.runtime.sampling import Sampled, Sampler, to_device
 from workers.runtime.step_inputs import Inputs, Layout, StepInputs
@@ -89,12 +89,17 @@ class Worker:
                  layout: KVLayout | None = None, stage: int | None = None, seed: int = 0,
                  device: str | None = None, tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0,
                  tensor_parallel_group=None, cuda_graphs: bool = False, graph_batch_sizes=BATCH_SIZES,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, compile_model: bool = False):
         """``layout``/``stage``: the engine's plan (``kvmanager.planning.kv_layout``); without them the
         worker derives the same plan from its own layer range (equal stages, as the engine splits).
         ``cuda_graphs``: replay decode-only steps of up to ``max(graph_batch_sizes)`` sequences from CUDA
         graphs (a single stage without tensor parallelism); without CUDA the padded batch runs eagerly.
-        ``num_host_blocks``: host units of the host KV tier (0: none), this worker's layers' share of each."""
+        ``num_host_blocks``: host units of the host KV tier (0: none), this worker's layers' share of each.
+        ``compile_model``: run the forward through ``torch.compile`` (``StageModel.compile``; the whole
+        model on one rank, without CUDA graphs)."""
+        if compile_model and (cuda_graphs or tensor_parallel_size != 1):
+            raise ValueError("compile_model runs the whole model on one rank without CUDA graphs: it cannot go "
+                             "with cuda_graphs or tensor_parallel_size > 1")
         model = load_hf_model(model, seed)
         check_int("num_blocks", num_blocks, 2, "block 0 is the null block")
         check_int("num_host_blocks", num_host_blocks, 0)
@@ -118,6 +123,9 @@ class Worker:
         if device is not None:
             model = model.to(device)
         self.stage = StageModel(model, layers)
+        self._warming = compile_model          # compiling step shapes until the engine's warm-up requests end
+        if compile_model:
+            self.stage.compile()
         shard_tensor_parallel(self.stage, tensor_parallel_size, tensor_parallel_rank, tensor_parallel_group)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.vocab_size = config.vocab_size
@@ -233,6 +241,9 @@ class Worker:
             self.host.before_compute()
             self._copies = self.host.run(step.kv_stores, step.kv_loads)
         chunks = step.chunks
+        if self._warming and chunks and not any(c.request_id.startswith(WARM_UP_PREFIX) for c in chunks):
+            self._warming = False
+            self.stage.freeze()
         rows = np.fromiter((self.mirrors.rows[c.request_id] for c in chunks), dtype=np.int64, count=len(chunks))
         key = None
         if self.graphs is not None and chunks and not self.sampler.scores_prompts(chunks):
