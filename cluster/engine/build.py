@@ -128,7 +128,7 @@ def build_engine(args: EngineArgs | Any = "default", /, *, executor_cls: type = 
 def _warm_up_compiled(engine: Engine, block_size: int, vocab_size: int) -> None:
     """Serve the step shapes torch.compile tells apart (one sequence or several, one token or several, a table
     of one block or more) before any client, so that none waits seconds on a compile; then forget their
-    KV. Workers started again after a fault compile on their first steps instead."""
+    KV. Workers started again after a fault get no warm-up: they run eagerly (correct, never stalled)."""
     from workers.protocol import WARM_UP_PREFIX
     log.info("compile_model: compiling the step shapes before serving (seconds per shape)")
     started = time.perf_counter()
