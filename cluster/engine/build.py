@@ -12,6 +12,7 @@ from typing import Any
 
 from kvmanager.checks import is_int
 from kvmanager.planning import KVLayout, as_full_attention, kv_layout, split_stages
+from workers.protocol import WARM_UP_PREFIX
 
 from .args import EngineArgs
 from .engine import Engine, EngineConfig, EngineMetrics
@@ -129,7 +130,6 @@ def _warm_up_compiled(engine: Engine, block_size: int, vocab_size: int) -> None:
     """Serve the step shapes torch.compile tells apart (one sequence or several, one token or several, a table
     of one block or more) before any client, so that none waits seconds on a compile; then forget their
     KV. Workers started again after a fault get no warm-up: they run eagerly (correct, never stalled)."""
-    from workers.protocol import WARM_UP_PREFIX
     log.info("compile_model: compiling the step shapes before serving (seconds per shape)")
     started = time.perf_counter()
     tokens = [1 + i % (vocab_size - 1) for i in range(3 * block_size)]

@@ -17,6 +17,7 @@ Tensor parallelism splits the held layers' heads and MLP columns across ranks (`
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -206,10 +207,8 @@ class StageModel:
         common = {"position_ids": batch.positions[None], "use_cache": False, "swakv": (kv, batch)}
         if self.is_last:
             keep = 0 if batch.logits_indices is None else batch.logits_indices   # 0: every row
-            if self._frozen:
-                with torch.compiler.set_stance("eager_on_recompile"):
-                    return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
-            return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
+            with torch.compiler.set_stance("eager_on_recompile") if self._frozen else contextlib.nullcontext():
+                return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
         return self.model.model(**inputs, **common).last_hidden_state[0]
 
 
