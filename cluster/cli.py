@@ -15,7 +15,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .engine.args import EngineArgs
     try:
-        engine = EngineArgs(**{f.name: getattr(args, f.name) for f in _engine_flags()})
+        engine = EngineArgs.for_serve({f.name: getattr(args, f.name) for f in _engine_flags()})
     except ValueError as exc:
         print(f"swakv serve: error: {exc}", file=sys.stderr)
         return 2
@@ -41,7 +41,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     for f in _engine_flags():
         meta = f.metadata
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool) and meta["flag"] is None:    # --name and --no-name
+        if meta["auto"]:                                            # --name, --no-name, or serve decides
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=meta["help"] + " (default: on where it can run: one worker on the CPU, not "
+                                               "simulated, with a C++ compiler for inductor)")
+        elif isinstance(f.default, bool) and meta["flag"] is None:  # --name and --no-name
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                            help=meta["help"] + (" (default: on)" if f.default else " (default: off)"))
         elif f.default is True:                                     # a flag named for turning it off

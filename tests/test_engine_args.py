@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -82,10 +83,10 @@ def test_every_documented_field_is_a_serve_flag_with_its_default():
     documented = [f for f in dataclasses.fields(EngineArgs) if f.metadata.get("help")]
     assert {f.name for f in documented} >= {"model", "tensor_parallel_size", "block_size", "kv_cache_memory",
                                              "enable_prefix_caching", "simulated_gpu"}
-    assert EngineArgs(**{f.name: getattr(args, f.name) for f in documented}) == EngineArgs()
-    args = parser.parse_args(["serve", "--block-size", "32", "--no-prefix-caching", "--kv-cache-memory", "2GiB",
-                              "--num-gpus-per-worker", "0.5", "--simulated-gpu", "H200"])
-    engine = EngineArgs(**{f.name: getattr(args, f.name) for f in documented})
+    assert args.compile_model is None                 # serve decides it (next tests); every other default is the field's
+    assert EngineArgs(**{f.name: getattr(args, f.name) for f in documented if f.name != "compile_model"}) == EngineArgs()
+    engine = serve_args("--block-size", "32", "--no-prefix-caching", "--kv-cache-memory", "2GiB",
+                        "--num-gpus-per-worker", "0.5", "--simulated-gpu", "H200")
     assert (engine.block_size, engine.enable_prefix_caching, engine.kv_cache_memory, engine.num_gpus_per_worker,
             engine.simulated_gpu) == (32, False, 2 << 30, 0.5, "H200")
 
@@ -97,6 +98,32 @@ def test_overlapped_steps_are_the_default_and_a_flag_turns_them_off_or_on():
     assert parser.parse_args(["serve", "--async-scheduling"]).async_scheduling is True   # older scripts' flag
     assert parser.parse_args(["serve", "--cuda-graphs"]).cuda_graphs is True
     assert parser.parse_args(["serve"]).cuda_graphs is False
+
+
+def serve_args(*argv: str) -> EngineArgs:
+    args = build_parser().parse_args(["serve", *argv])
+    return EngineArgs.for_serve({f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+                                 if f.metadata.get("help")})
+
+
+def test_serve_compiles_one_cpu_worker_by_default_and_a_flag_turns_it_off(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert EngineArgs().compile_model is False         # code (LLM, tests, benches) starts eagerly
+    assert serve_args().compile_model is True
+    assert serve_args("--device", "cpu", "-dp", "2").compile_model is True
+    assert serve_args("--no-compile-model").compile_model is False
+    assert serve_args("--compile-model").compile_model is True
+
+
+def test_serve_runs_eagerly_by_default_where_compiling_cannot_or_should_not(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    for argv in (["--simulated-gpu", "H100-80GB"], ["--tensor-parallel-size", "2"],
+                 ["--pipeline-parallel-size", "2"], ["--cuda-graphs"], ["--device", "cuda"], ["--device", "cuda:1"]):
+        assert serve_args(*argv).compile_model is False, argv
+    monkeypatch.setattr(shutil, "which", lambda name: None)      # no C++ compiler for inductor's CPU kernels
+    assert serve_args().compile_model is False
+    with pytest.raises(ValueError, match="compile_model compiles one real worker"):
+        serve_args("--compile-model", "--simulated-gpu", "H100-80GB")   # asked for, it is refused, not ignored
 
 
 def test_serve_refuses_a_bad_engine_argument_before_starting_anything(capsys):

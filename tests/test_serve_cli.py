@@ -1,6 +1,6 @@
-"""The README's main job as an operator runs it: ``python -m cluster serve`` answers on its port, and
-Ctrl-C stops it with a goodbye, exit status 0 and no traceback, even when pressed twice, taking its Ray
-runtime down with it."""
+"""The README's main job as an operator runs it: ``python -m cluster serve`` (its forward compiled, the default
+on one CPU worker) answers on its port, and Ctrl-C stops it with a goodbye, exit status 0 and no traceback,
+even when pressed twice, taking its Ray runtime down with it."""
 from __future__ import annotations
 
 import os
@@ -73,6 +73,7 @@ def test_serve_answers_then_a_double_ctrl_c_stops_it_cleanly_with_its_ray_runtim
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
+    assert "swakv: compiling the model's forward first" in out    # the default on one CPU worker
     assert "Traceback" not in err, err
     assert "swakv: shutting down ..." in err and "told 0 in-flight request(s)" in err
     assert raylets() <= before                   # the runtime it started is gone

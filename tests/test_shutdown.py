@@ -83,7 +83,7 @@ def start_server(mark: str) -> subprocess.Popen:
     ``PORT``: by then ``/health`` says it is ready and routable (the router follows its engine)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SWAKV_SHUTDOWN_TEST": mark}
     proc = subprocess.Popen([sys.executable, "-m", "cluster", "serve", "--port", str(PORT), "--num-cpus", "2",
-                             "--num-blocks", "256"], cwd=ROOT, env=env, start_new_session=True,
+                             "--num-blocks", "256", "--no-compile-model"], cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     announced = threading.Event()
 

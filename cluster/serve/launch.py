@@ -131,6 +131,9 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
     try:
         print(f"swakv: starting {data_parallel_size} engine replica(s) and their workers for "
               f"{args.model} ...", flush=True)
+        if args.compile_model:
+            print("swakv: compiling the model's forward first (torch.compile, 30-60 s on a small CPU; "
+                  "--no-compile-model starts in seconds and serves more slowly)", flush=True)
         started = start_engine_actors(args, data_parallel_size)   # held: a named actor lives while handles do
         handles = [h for h, _ in started]
         info = started[0][1]
