@@ -105,14 +105,14 @@ class EngineArgs:
 
     @classmethod
     def for_serve(cls, values: dict) -> EngineArgs:
-        """``swakv serve``'s flags, where an ``auto`` flag given neither way (None) is decided for a server:
-        ``compile_model`` on where it can run (``compiles_by_default``): start-up is paid once, every token
-        after it is served faster (the bundled model's ITL 0.7x transformers' against eager's 0.9x)."""
+        """A server's arguments (``swakv serve``'s flags, ``serve.yaml``'s ``args``): ``compile_model`` left
+        out or None is decided for a server, on where it can run (``compiles_by_default``): start-up is paid
+        once, every token after it is served faster (the bundled model's ITL 0.7x transformers' against
+        eager's 0.9x). Code that builds engines (``LLM``, tests, benches) starts eagerly unless it asks."""
         values = dict(values)
         if values.get("compile_model") is None:
-            values["compile_model"] = False
-            values["compile_model"] = compiles_by_default(cls(**values))
-        return cls(**values)
+            values["compile_model"] = compiles_by_default(cls.from_dict({**values, "compile_model": False}))
+        return cls.from_dict(values)
 
     @classmethod
     def from_dict(cls, values: dict) -> EngineArgs:
@@ -138,12 +138,12 @@ class EngineArgs:
 def compiles_by_default(args: EngineArgs) -> bool:
     """Whether a server compiles the forward when not told: one real worker on the CPU holding the whole model
     (not simulated, no CUDA graphs, no tensor or pipeline split; on a GPU, CUDA graphs are the measured way),
-    and a C++ compiler with Python's headers, which inductor's CPU kernels need."""
+    and what inductor's CPU kernels are built with: ``g++`` (the compiler it looks for) and Python's headers.
+    A compile that fails all the same runs eagerly (``StageModel.compile``)."""
     import shutil
     import sysconfig
     if (args.simulated_gpu is not None or args.cuda_graphs or args.tensor_parallel_size != 1
             or args.pipeline_parallel_size != 1 or (args.device or "cpu").split(":")[0] != "cpu"):
         return False
-    compiler = os.environ.get("CXX") or "g++"
-    return shutil.which(compiler) is not None and os.path.isfile(
-        os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    return shutil.which("g++") is not None and os.path.isfile(os.path.join(sysconfig.get_paths()["include"],
+                                                                           "Python.h"))

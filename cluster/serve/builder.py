@@ -27,7 +27,7 @@ def build(args: dict):
     router = args.pop("router", "prefix")
     make_router(router)   # a bad name fails before any engine starts
     names = engine_names(check_int("data_parallel_size", dp, 1))
-    engine = EngineArgs.from_dict(args)   # a bad engine argument fails here too
+    engine = EngineArgs.for_serve(args)   # a bad engine argument fails here too
     try:
         handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
         info = ray.get(handles[0].ready.remote(), timeout=600)

@@ -18,6 +18,7 @@ Tensor parallelism splits the held layers' heads and MLP columns across ranks (`
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from kvmanager.checks import check_int
 from kvmanager.specs import AttentionSpec
 from workers.attention import paged_attention, store_kv
+
+log = logging.getLogger("swakv.worker")
 
 ATTN_IMPLEMENTATION = "swakv_paged"
 _NOT_PASSED = object()
@@ -164,7 +167,9 @@ class StageModel:
         """Run the model's forward through ``torch.compile`` (dynamic shapes): transformers' per-layer Python
         and small ops become a few fused kernels; attention stays one opaque op per layer. Each class of
         step shape (one sequence or several, one token or several, tables of one block or more) compiles on
-        its first step, seconds each, until ``freeze``."""
+        its first step, seconds each, until ``freeze``. If a compile fails (no working C++ compiler, code
+        Dynamo cannot handle), the forward runs eagerly from then on, said once in the log: a server that
+        compiles by default still starts and serves the same tokens."""
         if not (self.is_first and self.is_last):
             raise ValueError("compiling the model's forward needs the whole model in one stage")
         self._call = torch.compile(self.model, dynamic=True)
@@ -207,8 +212,17 @@ class StageModel:
         common = {"position_ids": batch.positions[None], "use_cache": False, "swakv": (kv, batch)}
         if self.is_last:
             keep = 0 if batch.logits_indices is None else batch.logits_indices   # 0: every row
-            with torch.compiler.set_stance("eager_on_recompile") if self._frozen else contextlib.nullcontext():
-                return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
+            try:
+                with torch.compiler.set_stance("eager_on_recompile") if self._frozen else contextlib.nullcontext():
+                    return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
+            except torch._dynamo.exc.TorchDynamoException as exc:   # a compile failed, not the model
+                if self._call is self.model:
+                    raise
+                log.warning("compile_model: the forward failed to compile, it runs eagerly from now on: %s",
+                            str(exc).strip().splitlines()[0][:300])
+                self._call = self.model   # the whole step again, eagerly: any K/V a graph before it wrote
+                #                           is written again, the same values to the same slots
+            return self._call(**inputs, **common, logits_to_keep=keep).logits[0]
         return self.model.model(**inputs, **common).last_hidden_state[0]
 
 
