@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import random
 import select
 import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -397,3 +400,39 @@ def test_bad_arguments_are_refused_before_any_segment_exists():
         with pytest.raises(ChannelError, match="reader 0 is attached already"):
             ShmReader(writer.handle, 0)
         first.close()
+
+
+OUT_OF_DESCRIPTORS = """
+import json, os, resource
+from multiprocessing import resource_tracker
+from workers.shm_channel import ShmBroadcast
+resource_tracker.ensure_running()                # its pipe is not what runs out
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+base = len(os.listdir("/proc/self/fd")) - 1      # open now, less the listing's own
+outcomes = []
+for limit in range(base - 1, base + 8):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        writer, error = ShmBroadcast(1), None
+    except OSError as exc:
+        writer, error = None, type(exc).__name__
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"swakv-{os.getpid()}-")]
+    outcomes.append([error, len(left)])
+    if writer is not None:
+        writer.close()
+print(json.dumps(outcomes))
+"""
+
+
+def test_a_writer_that_runs_out_of_descriptors_while_opening_leaves_no_segment_behind():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    outcomes = json.loads(proc.stdout)
+    failed = [left for error, left in outcomes if error is not None]
+    opened = [left for error, left in outcomes if error is None]
+    assert len(failed) >= 2 and opened            # it failed at more than one step of opening, then opened
+    assert failed == [0] * len(failed)            # a failed writer's segment is gone at once
+    assert opened == [1] * len(opened)            # an open one's is there until it closes

@@ -263,7 +263,17 @@ class ShmBroadcast:
                  poll_s: float = 1.0):
         _check_timing(spin_s, poll_s)
         handle, shm = _create(num_readers, slots, slot_bytes)
-        self._open(_Ring(handle, owner=shm), spin_s, poll_s)
+        try:
+            ring = _Ring(handle, owner=shm)
+            try:
+                self._open(ring, spin_s, poll_s)
+            except BaseException:
+                ring.release()
+                raise
+        except BaseException:   # out of descriptors, say: nobody else knows the name, so it goes now
+            shm.close()
+            _unlink_owned(shm)
+            raise
 
     @classmethod
     def attach(cls, handle: ChannelHandle, *, spin_s: float = 1e-4, poll_s: float = 1.0) -> ShmBroadcast:
