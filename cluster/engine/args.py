@@ -93,8 +93,7 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise ValueError(f"{name} must be None or a non-empty string, got {value!r}")
-        if self.compile_model and (self.simulated_gpu is not None or self.cuda_graphs
-                                   or self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+        if self.compile_model and not self._one_real_worker_without_graphs():
             raise ValueError("compile_model compiles one real worker holding the whole model: it cannot go with "
                              "simulated_gpu, cuda_graphs, tensor_parallel_size > 1 or pipeline_parallel_size > 1")
         if self.sleep_factor and self.simulated_gpu is None:
@@ -109,10 +108,10 @@ class EngineArgs:
         out or None is decided for a server, on where it can run (``compiles_by_default``): start-up is paid
         once, every token after it is served faster (the bundled model's ITL 0.7x transformers' against
         eager's 0.9x). Code that builds engines (``LLM``, tests, benches) starts eagerly unless it asks."""
-        values = dict(values)
-        if values.get("compile_model") is None:
-            values["compile_model"] = compiles_by_default(cls.from_dict({**values, "compile_model": False}))
-        return cls.from_dict(values)
+        if values.get("compile_model") is not None:
+            return cls.from_dict(values)
+        args = cls.from_dict({**values, "compile_model": False})
+        return args.replace(compile_model=compiles_by_default(args))
 
     @classmethod
     def from_dict(cls, values: dict) -> EngineArgs:
@@ -125,6 +124,11 @@ class EngineArgs:
 
     def replace(self, **changes) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+    def _one_real_worker_without_graphs(self) -> bool:
+        """What compiling the forward needs: one real worker holding the whole model, no CUDA graphs."""
+        return (self.simulated_gpu is None and not self.cuda_graphs and self.tensor_parallel_size == 1
+                and self.pipeline_parallel_size == 1)
 
     @property
     def model_name(self) -> str:
@@ -139,11 +143,10 @@ def compiles_by_default(args: EngineArgs) -> bool:
     """Whether a server compiles the forward when not told: one real worker on the CPU holding the whole model
     (not simulated, no CUDA graphs, no tensor or pipeline split; on a GPU, CUDA graphs are the measured way),
     and what inductor's CPU kernels are built with: ``g++`` (the compiler it looks for) and Python's headers.
-    A compile that fails all the same runs eagerly (``StageModel.compile``)."""
+    A compile that fails all the same leaves the forward eager (``StageModel.forward``)."""
     import shutil
     import sysconfig
-    if (args.simulated_gpu is not None or args.cuda_graphs or args.tensor_parallel_size != 1
-            or args.pipeline_parallel_size != 1 or (args.device or "cpu").split(":")[0] != "cpu"):
+    if not args._one_real_worker_without_graphs() or (args.device or "cpu").split(":")[0] != "cpu":
         return False
     return shutil.which("g++") is not None and os.path.isfile(os.path.join(sysconfig.get_paths()["include"],
                                                                            "Python.h"))
