@@ -40,7 +40,17 @@ _handles = []   # a named actor lives only as long as a handle from its creator 
 
 
 def start_engine():
-    """The real start-up path: the named engine actor places a worker actor and loads the model."""
+    """The real start-up path: the named engine actor places a worker actor and loads the model. After a
+    ``ray.kill`` it first waits for the name to come free: the kill returns at once, and the name stays
+    taken until Ray has recorded the old actor's death."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            ray.get_actor(ENGINE, namespace=NAMESPACE)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, f"{ENGINE} is still registered 30 s after it was killed"
+        time.sleep(0.05)
     handle, _ = start_engine_actor(dict(model=MODEL, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN),
                                    name=ENGINE, max_restarts=0, timeout_s=120)
     _handles.append(handle)
