@@ -102,31 +102,44 @@ def test_requests_that_arrive_while_a_request_decodes_join_its_steps_with_transf
             lock.notify_all()
     thread = threading.Thread(target=core.run, args=(emit,), daemon=True)
     thread.start()
-    prompts = {"long": tuple(range(3, 40))}
-    try:
-        core.call(core.add_request, "long", list(prompts["long"]), SamplingParams(max_tokens=900)).result(60)
+    prompts: dict[str, tuple[int, ...]] = {}
+    longs: list[str] = []
+
+    def start_long():
+        """A long decode for arrivals to join; another once it ends (it stops at max_model_len)."""
+        rid = f"long{len(longs)}"
+        prompts[rid] = tuple(range(3 + len(longs), 40 + len(longs)))
+        longs.append(rid)
+        core.call(core.add_request, rid, list(prompts[rid]), SamplingParams(max_tokens=900)).result(60)
         with lock:
-            assert lock.wait_for(lambda: len(tokens.get("long", [])) >= 8, 60)
-        # Arrivals while "long" decodes, a few milliseconds apart, until some joined (each decode step of the
-        # tiny model is a few milliseconds, and an arrival joins only while a step waits to be taken).
-        for wave in range(20):
+            assert lock.wait_for(lambda: len(tokens.get(rid, [])) >= 8, 60)
+
+    try:
+        start_long()
+        # Arrivals while a long request decodes, a few milliseconds apart, until some joined (each decode step
+        # of the tiny model is a few milliseconds, and an arrival joins only while a step waits to be taken:
+        # on a loaded 2-core machine most waves have none, so the loop runs until three did).
+        for wave in range(100):
+            if longs[-1] in finished:
+                start_long()
             for i in range(4):
                 rid = f"w{wave}-{i}"
                 prompts[rid] = tuple((11 * wave + 5 * i + j) % 250 + 3 for j in range(9 + 7 * i))
                 core.call(core.add_request, rid, list(prompts[rid]), SamplingParams(max_tokens=6), admit=True)
                 time.sleep(0.003)
             with lock:
-                assert lock.wait_for(lambda: set(prompts) - {"long"} <= finished, 60)
+                assert lock.wait_for(lambda: set(prompts) - set(longs) <= finished, 60)
             joined = core.call(lambda: core.engine.metrics.joined_requests).result(60)
             if joined >= 3:
                 break
         assert joined >= 3
-        core.call(core.abort, "long").result(60)
+        core.call(core.abort, longs[-1]).result(60)
     finally:
         core.call(engine.executor.shutdown).result(60)
         core.close()
         thread.join(10)
     for rid, prompt in prompts.items():
-        if rid != "long":
+        if rid not in longs:
             assert tokens[rid] == reference(prompt, 6), rid
-    assert tokens["long"] == reference(prompts["long"], len(tokens["long"]))
+    for rid in longs:
+        assert tokens[rid] == reference(prompts[rid], len(tokens[rid])), rid
