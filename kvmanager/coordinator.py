@@ -8,7 +8,7 @@ from math import lcm
 from .block_pool import Block, BlockPool
 from .group import KVCacheGroup
 from .request import Request
-from .specs import NEVER, AttentionSpec, FullAttention
+from .specs import NEVER, AttentionSpec
 
 
 class HitRule:
@@ -65,10 +65,11 @@ class GroupCoordinator:
     def __init__(self, specs: list[AttentionSpec], pool: BlockPool, enable_caching: bool):
         self.pool = pool
         self.groups = [KVCacheGroup(i, s, pool, enable_caching, w) for i, (s, w) in enumerate(zip(specs, pool.widths))]
-        # The frequency order (``free_queue``) ranks blocks by depth, which is a hit's cost only where every
-        # group needs the whole prefix
-        pool.free.frequency = all(isinstance(s, FullAttention) for s in specs) and set(pool.widths) == {1}
+        # The frequency order (``free_queue``) ranks blocks by depth, which is a hit's cost where every group
+        # needs the whole prefix: with windows, while requests' chains fit them (``free``)
+        pool.free.frequency = set(pool.widths) == {1}
         self._dropping = [g for g in self.groups if g.drops]
+        pool.free.windows = bool(self._dropping)
         if self._dropping:
             pool.free.watch_sparse()
         self.rule = HitRule(specs)
@@ -285,11 +286,15 @@ class GroupCoordinator:
     def free(self, request: Request, preempted: bool = False) -> None:
         """Release every table of the request in one batch, group by group, each tail first, with the
         blocks a hit at a fork of its chain needs marked (full attention: every block below the deepest
-        fork; a window: the blocks below each fork), and those of its answer."""
+        fork; a window: the blocks below each fork), and those of its answer. With windows, the free queue
+        learns whether the chain fitted them (a hit at its end needs its first block)."""
         self.quiet.pop(request.request_id, None)
         forks = self.pool.free.forks
         fork_ends: dict[int, list[int]] = {}
         freed, ends = [], []
+        if self._dropping and self.pool.free.frequency:
+            n = request.num_computed_tokens
+            self.pool.free.note_fit(all(g.spec.first_needed_token(n) < g.block_size for g in self._dropping))
         for g in self.groups:
             bs = g.block_size
             if forks and bs not in fork_ends:

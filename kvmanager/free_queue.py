@@ -63,8 +63,12 @@ answer claim, tier 2 above, is not refuted) it does, whatever tier 3's own order
 worth the prompts that contain it, not its release. Otherwise ghosts tell the two apart: a lookup missing a
 block the release order evicted while a lower magnitude waited votes for the frequency order; one missing a
 block the frequency order evicted that the release order would still hold (within tier 3's volume), two
-against; it acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. Sliding
-groups are left out: their hits need the window at a chain's end, the deepest blocks.
+against; it acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. A layout
+with windows (sliding, chunked) uses it only before follow-ups show, and only while more recent requests'
+chains fit their windows than not (``note_fit``, a saturating count): such a chain keeps every block from
+the first, so a hit at any depth needs every block below it, as with full attention. A longer chain keeps
+only its trailing window, whose deepest blocks serve the only hit it can give; the ghosts' duel on such
+layouts lost zipf sessions and chats (docs/retention-rounds.md, twenty-sixth round).
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -193,9 +197,12 @@ class FreeQueue:
         # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
-        # The frequency order (full attention only: ``frequency``, set by the coordinator), and its duel with
-        # the release order, a saturating counter (starts in doubt, at 0)
+        # The frequency order (one unit per block: ``frequency``, set by the coordinator), and its duel with
+        # the release order, a saturating counter (starts in doubt, at 0); with windows (``windows``), whether
+        # finished requests' chains fit them (+1) or not (-1), saturating too
         self.frequency = False
+        self.windows = False
+        self._fits = 0
         self._frequency_order = FrequencyOrder()
         self._frequency_votes = 0
         # Chains before proven blocks (while tier 3 is in LRU order): > 0 once lookups missed proven blocks
@@ -486,11 +493,17 @@ class FreeQueue:
             self._fork(parent)
 
     def seen(self, block_hash: bytes) -> None:
-        """A block of this hash was cached (full attention only): the frequency order counts it from now on."""
+        """A block of this hash was cached: the frequency order counts it from now on."""
         self._frequency_order.seen(block_hash, 2 * self._cap)
 
+    def note_fit(self, fits: bool) -> None:
+        """A request of a layout with windows ends: whether a hit at its chain's end still needs the chain's
+        first block in every window (then a hit at any depth needs every block below it, as with full
+        attention)."""
+        self._fits = min(VOTE_CAP, self._fits + 1) if fits else max(-VOTE_CAP, self._fits - 1)
+
     def referenced(self, hashes) -> None:
-        """An admission's prompt (its block hashes, in order, full attention only): for the frequency order."""
+        """An admission's prompt (its block hashes, in order): for the frequency order."""
         self._frequency_order.referenced(hashes)
 
     def note_lookup(self, hash_at, start: int, limit: int) -> None:
@@ -752,10 +765,13 @@ class FreeQueue:
     def _frequency_first(self) -> bool:
         """Tier 3 follows the frequency order now (not below the floor, where LRU's order rules): while the
         answer claim is not refuted (follow-ups have not shown), whatever order tier 3 keeps, since a chain
-        no follow-up extends is worth the later prompts that contain it, not its release; else while the
-        ghosts prefer it to the release order."""
-        return (self.frequency and not self.floor.follow_lru
-                and (not self._answer_refuted() or self._frequency_votes > 0 and self._votes < THRESHOLD))
+        no follow-up extends is worth the later prompts that contain it, not its release (with windows, while
+        chains fit them); else, full attention only, while the ghosts prefer it to the release order."""
+        if not self.frequency or self.floor.follow_lru:
+            return False
+        if not self._answer_refuted():
+            return not self.windows or self._fits > 0
+        return not self.windows and self._frequency_votes > 0 and self._votes < THRESHOLD
 
     def _answer_refuted(self) -> bool:
         """Follow-ups have shown: more than one in ``DOUBT`` of the evidence on the answer claim went against
@@ -914,8 +930,9 @@ class FreeQueue:
         learnt from hashes (children, forks, ghosts) goes too."""
         entries = self.entries()
         widths, cap, frequency, sparse = self.widths, self.floor.cap, self.frequency, self.floor.sparse
+        windows = self.windows
         self.__init__([], widths, self.last_message_tokens, self._cached, cap)
-        self.frequency = frequency
+        self.frequency, self.windows = frequency, windows
         if sparse is not None:
             self.watch_sparse()
         empty = self._tiers[EMPTY]

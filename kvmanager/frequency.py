@@ -1,7 +1,7 @@
-"""Full attention's frequency order for tier 3: how many later prompts contained each cached hash, and tier 3's
-free blocks ranked by it.
+"""The frequency order for tier 3: how many later prompts contained each cached hash, and tier 3's free blocks
+ranked by it.
 
-Where every group needs the whole prefix, a block is worth the later prompts that contain its chain (a
+Where every group needs the whole prefix (full attention; windows that requests' chains fit), a block is worth the later prompts that contain its chain (a
 retrieved document's, a shared prompt's; not a one-off question's), and a deeper block of a chain never
 more than one above it. So each admission adds one to every hash of its prompt seen before (a chain is a
 prefix: the walk stops at the first hash never seen), and the rank of a free block is the order of magnitude

@@ -108,7 +108,9 @@ def test_a_wide_kind_composes_loose_units_in_front_else_reuses_its_own_else_diss
 def test_one_group_per_kind_keeps_a_hit_where_one_group_per_layer_pair_keeps_none():
     """A block of a kind is cached and evicted whole (all its layers' units at once). With one group per
     S layers instead, the same eviction takes one group's blocks and kills the hit for every group."""
-    specs = [SlidingWindow(block_size=1, window=4), FullAttention(block_size=1)]
+    # a window of 3: a's chain of 3 outgrows it (a hit at its end needs blocks 1-2 only), so tier 3 waits in
+    # release order (a chain that fits its windows is ranked by the frequency order: free_queue)
+    specs = [SlidingWindow(block_size=1, window=3), FullAttention(block_size=1)]
     per_kind = KVCacheManager(specs, num_blocks=13, widths=(3, 1))                        # units 1..12
     split = KVCacheManager([specs[0]] * 3 + [specs[1]], num_blocks=13)
     for mgr, tables in ((per_kind, ([1, 4, 7], [10, 11, 12])),

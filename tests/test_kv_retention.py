@@ -652,12 +652,15 @@ def _follow_ups_shown(q: FreeQueue) -> None:
     q.remove(answer)
 
 
-def _frequency_queue():
-    """Full attention, follow-ups shown, tier 3 in the release order: a document's block (hash contained in
-    two later prompts, parent ``sys``) released at clock 2, a one-off question's at clock 3; the release order
-    evicts the document first, while the question, of a lower count, waited. Returns the queue and both blocks."""
+def _frequency_queue(windows: bool = False):
+    """Full attention (or, with ``windows``, a layout whose requests' chains fit their windows), follow-ups
+    shown, tier 3 in the release order: a document's block (hash contained in two later prompts, parent
+    ``sys``) released at clock 2, a one-off question's at clock 3; the release order evicts the document
+    first, while the question, of a lower count, waited. Returns the queue and both blocks."""
     q = FreeQueue([], (1,))
-    q.frequency = True
+    q.frequency, q.windows = True, windows
+    if windows:
+        q.note_fit(True)
     _follow_ups_shown(q)
     (doc,), (question,) = _blocks(1, 1, "d"), _blocks(2, 1, "q")
     q.seen(doc.block_hash)
@@ -770,10 +773,65 @@ def test_the_frequency_order_counts_at_most_its_bound_of_hashes_forgetting_the_o
     assert dict(order.counts) == {b"c": 0, b"a": 1, b"d": 0}
 
 
-def test_only_models_whose_every_group_needs_the_whole_prefix_keep_counts_for_the_frequency_order():
+def _document_and_question(windows: bool) -> FreeQueue:
+    """Follow-ups not shown: a document's block contained in two later prompts released at clock 1, a one-off
+    question's at clock 2."""
+    q = FreeQueue([], (1,))
+    q.frequency, q.windows = True, windows
+    (doc,), (question,) = _blocks(1, 1, "d"), _blocks(2, 1, "q")
+    for b in (doc, question):
+        q.seen(b.block_hash)
+    q.referenced([doc.block_hash])
+    q.referenced([doc.block_hash])
+    _release(q, [doc])
+    _release(q, [question])
+    return q
+
+
+def test_a_layout_with_windows_ranks_tier_3_by_count_while_its_requests_chains_fit_their_windows():
+    # rag over a sliding window longer than its prompts: no chain left its window, so a hit at any depth
+    # needs every block below it, as full attention's does, and the document outlives the later question.
+    # Once more recent requests dropped blocks than did not (chains longer than the window: only a trailing
+    # window waits in tier 3, and a hit below it needs blocks already gone), the release order rules.
+    assert _document_and_question(windows=False).ids() == [2, 1]    # full attention: by count
+    q = _document_and_question(windows=True)
+    assert q.ids() == [1, 2]                        # nothing finished yet: by release
+    q.note_fit(True)
+    assert q.ids() == [2, 1]                        # by count
+    q.note_fit(False)
+    q.note_fit(False)
+    assert q.ids() == [1, 2]                        # by release again
+    assert q.take(0)[0].block_id == 1
+
+
+def test_once_follow_ups_show_only_full_attention_lets_the_ghosts_turn_tier_3_to_the_frequency_order():
+    # The duel of the first test above, on a layout whose chains fit their windows: the lookup through the
+    # document's ghost votes for the frequency order, but with windows it ranks tier 3 only until follow-ups
+    # show (zipf sessions and chats over windows lost hits to it: docs/retention-rounds.md, twenty-sixth round)
+    q, doc, question = _frequency_queue(windows=True)
+    q.note_lookup([b"sys", doc.block_hash].__getitem__, 0, 2)
+    (doc2,), (tail,) = _blocks(3, 1, "d"), _blocks(4, 1, "t")
+    for b in (doc2, tail):
+        q.seen(b.block_hash)
+    q.referenced([doc2.block_hash])
+    tail.depth, doc2.depth = 5, 3
+    _release(q, [doc2])
+    _release(q, [tail])
+    assert q.ids() == [2, 3, 4]                     # by release; full attention's: [4, 2, 3]
+
+
+def test_every_layout_of_one_unit_per_block_counts_for_the_frequency_order_and_knows_whether_chains_fit():
     full = KVCacheManager([FullAttention(16)], num_blocks=64)
-    hybrid = KVCacheManager([FullAttention(16), SlidingWindow(16, 128)], num_blocks=64)
-    assert (full.pool.free.frequency, hybrid.pool.free.frequency) == (True, False)
+    hybrid = KVCacheManager([FullAttention(16), SlidingWindow(16, window=64)], num_blocks=64)
+    assert (full.pool.free.frequency, full.pool.free.windows) == (True, False)
+    assert (hybrid.pool.free.frequency, hybrid.pool.free.windows) == (True, True)
+    short, long = Request("short", list(range(48))), Request("long", list(range(100, 260)))
+    run_step(hybrid, short, 48)
+    hybrid.free(short)                              # 48 tokens: the window of 64 never moved
+    assert hybrid.pool.free._fits == 1
+    run_step(hybrid, long, 160)                     # 160 tokens: a hit at its end needs none of the first 96
+    hybrid.free(long)
+    assert hybrid.pool.free._fits == 0
 
 
 def test_zipf_sessions_hot_chains_outlive_the_young_ones_and_the_manager_gets_three_times_lrus_hits():
