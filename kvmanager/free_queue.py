@@ -497,8 +497,8 @@ class FreeQueue:
         self._frequency_order.seen(block_hash, 2 * self._cap)
 
     def note_fit(self, fits: bool) -> None:
-        """A request of a layout with windows ends: whether a hit at its chain's end still needs the chain's
-        first block in every window (then a hit at any depth needs every block below it, as with full
+        """A request of a layout with windows releases its blocks (it ended, or was preempted or withdrawn):
+        whether a hit at its chain's end still needs the chain's first block in every window (then a hit at any depth needs every block below it, as with full
         attention)."""
         self._fits = min(VOTE_CAP, self._fits + 1) if fits else max(-VOTE_CAP, self._fits - 1)
 
