@@ -199,7 +199,7 @@ class FreeQueue:
         self._votes = 0
         # The frequency order (one unit per block: ``frequency``, set by the coordinator), and its duel with
         # the release order, a saturating counter (starts in doubt, at 0); with windows (``windows``), whether
-        # finished requests' chains fit them (+1) or not (-1), saturating too
+        # released requests' chains fit them (+1) or not (-1), saturating too
         self.frequency = False
         self.windows = False
         self._fits = 0
@@ -498,8 +498,8 @@ class FreeQueue:
 
     def note_fit(self, fits: bool) -> None:
         """A request of a layout with windows releases its blocks (it ended, or was preempted or withdrawn):
-        whether a hit at its chain's end still needs the chain's first block in every window (then a hit at any depth needs every block below it, as with full
-        attention)."""
+        whether a hit at its chain's end still needs the chain's first block in every window (then a hit at
+        any depth needs every block below it, as with full attention)."""
         self._fits = min(VOTE_CAP, self._fits + 1) if fits else max(-VOTE_CAP, self._fits - 1)
 
     def referenced(self, hashes) -> None:
@@ -845,9 +845,10 @@ class FreeQueue:
                     elif not proven and self._tails > 0 and self._reusable_units > self._chain_units:
                         side = -1
                 # and whether the other of the release and frequency orders would have kept it: -1, the
-                # frequency order evicted it; 1, the release order did while a lower magnitude waited
+                # frequency order evicted it; 1, the release order did while a lower magnitude waited (for
+                # the duel, which layouts with windows do not hold)
                 by_count = 0
-                if self.frequency and not self.floor.follow_lru and self._votes < THRESHOLD:
+                if self.frequency and not self.windows and not self.floor.follow_lru and self._votes < THRESHOLD:
                     if by_frequency:
                         by_count = -1
                     else:

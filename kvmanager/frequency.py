@@ -1,14 +1,14 @@
 """The frequency order for tier 3: how many later prompts contained each cached hash, and tier 3's free blocks
 ranked by it.
 
-Where every group needs the whole prefix (full attention; windows that requests' chains fit), a block is worth the later prompts that contain its chain (a
-retrieved document's, a shared prompt's; not a one-off question's), and a deeper block of a chain never
-more than one above it. So each admission adds one to every hash of its prompt seen before (a chain is a
-prefix: the walk stops at the first hash never seen), and the rank of a free block is the order of magnitude
-of its count (0, 1, 2-3, 4-7, ...), then the deepest first, then the oldest. Magnitudes, not raw counts:
-raw counts sent the freshest of cyclic sessions, counted least, first although every session comes back
-(LFU's failure on new content); classes "none, one, two or more" tied a document twenty prompts contained
-with one two did (docs/retention-rounds.md, twenty-third round).
+Where every group needs the whole prefix (full attention; windows that requests' chains fit), a block is worth
+the later prompts that contain its chain (a retrieved document's, a shared prompt's; not a one-off question's),
+and a deeper block of a chain never more than one above it. So each admission adds one to every hash of its
+prompt seen before (a chain is a prefix: the walk stops at the first hash never seen), and the rank of a free
+block is the order of magnitude of its count (0, 1, 2-3, 4-7, ...), then the deepest first, then the oldest.
+Magnitudes, not raw counts: raw counts sent the freshest of cyclic sessions, counted least, first although
+every session comes back (LFU's failure on new content); classes "none, one, two or more" tied a document
+twenty prompts contained with one two did (docs/retention-rounds.md, twenty-third round).
 
 *When* tier 3 follows this order, and the duel that decides it, is ``FreeQueue``'s; this class only keeps
 the counts and the heap. Both are bounded: ``bound`` hashes counted (the oldest referenced forgotten), and
