@@ -286,13 +286,14 @@ class GroupCoordinator:
     def free(self, request: Request, preempted: bool = False) -> None:
         """Release every table of the request in one batch, group by group, each tail first, with the
         blocks a hit at a fork of its chain needs marked (full attention: every block below the deepest
-        fork; a window: the blocks below each fork), and those of its answer. With windows, the free queue
-        learns whether the chain fitted them (a hit at its end needs its first block)."""
+        fork; a window: the blocks below each fork), and those of its answer. With windows, a finished
+        request tells the free queue whether its chain fitted them (a hit at its end needs its first block);
+        a preemption or a withdrawal is no evidence of how long chains run."""
         self.quiet.pop(request.request_id, None)
         forks = self.pool.free.forks
         fork_ends: dict[int, list[int]] = {}
         freed, ends = [], []
-        if self._dropping and self.pool.free.frequency:
+        if self._dropping and self.pool.free.frequency and not preempted:
             n = request.num_computed_tokens
             self.pool.free.note_fit(all(g.spec.first_needed_token(n) < g.block_size for g in self._dropping))
         for g in self.groups:

@@ -64,8 +64,8 @@ worth the prompts that contain it, not its release. Otherwise ghosts tell the tw
 block the release order evicted while a lower magnitude waited votes for the frequency order; one missing a
 block the frequency order evicted that the release order would still hold (within tier 3's volume), two
 against; it acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. A layout
-with windows (sliding, chunked) uses it only before follow-ups show, and only while more recent requests'
-chains fit their windows than not (``note_fit``, a saturating count): such a chain keeps every block from
+with windows (sliding, chunked) uses it only before follow-ups show, and only while more recently finished
+requests' chains fit their windows than not (``note_fit``, a saturating count): such a chain keeps every block from
 the first, so a hit at any depth needs every block below it, as with full attention. A longer chain keeps
 only its trailing window, whose deepest blocks serve the only hit it can give; the ghosts' duel on such
 layouts lost zipf sessions and chats (docs/retention-rounds.md, twenty-sixth round).
@@ -497,9 +497,9 @@ class FreeQueue:
         self._frequency_order.seen(block_hash, 2 * self._cap)
 
     def note_fit(self, fits: bool) -> None:
-        """A request of a layout with windows releases its blocks (it ended, or was preempted or withdrawn):
-        whether a hit at its chain's end still needs the chain's first block in every window (then a hit at
-        any depth needs every block below it, as with full attention)."""
+        """A request of a layout with windows finished: whether a hit at its chain's end still needs the
+        chain's first block in every window (then a hit at any depth needs every block below it, as with
+        full attention)."""
         self._fits = min(VOTE_CAP, self._fits + 1) if fits else max(-VOTE_CAP, self._fits - 1)
 
     def referenced(self, hashes) -> None:

@@ -834,6 +834,22 @@ def test_every_layout_of_one_unit_per_block_counts_for_the_frequency_order_and_k
     assert hybrid.pool.free._fits == 0
 
 
+def test_a_preempted_request_says_nothing_of_whether_chains_fit_their_windows_only_a_finished_one_does():
+    mgr = KVCacheManager([FullAttention(16), SlidingWindow(16, window=64)], num_blocks=64)
+    long = Request("long", list(range(100, 260)))
+    run_step(mgr, long, 160)                        # 160 tokens: longer than the window of 64
+    mgr.preempt(long)                               # cut short, not finished: no evidence either way
+    assert mgr.pool.free._fits == 0
+    short = Request("short", list(range(48)))
+    run_step(mgr, short, 48)
+    mgr.preempt(short)
+    assert mgr.pool.free._fits == 0
+    long.num_computed_tokens = 0                    # resumed from the start, through the prefix cache
+    run_step(mgr, long, 160)
+    mgr.free(long)
+    assert mgr.pool.free._fits == -1
+
+
 def test_zipf_sessions_hot_chains_outlive_the_young_ones_and_the_manager_gets_three_times_lrus_hits():
     # The retention bench's zipf family, small: 24 sessions with Zipf popularity, 160 turns, 4 running,
     # full attention, 800 blocks. LRU (the bench's simulator, vLLM 0.33 dense's order) thrashes on the
