@@ -838,7 +838,7 @@ def test_a_preempted_request_says_nothing_of_whether_chains_fit_their_windows_on
     mgr = KVCacheManager([FullAttention(16), SlidingWindow(16, window=64)], num_blocks=64)
     long = Request("long", list(range(100, 260)))
     run_step(mgr, long, 160)                        # 160 tokens: longer than the window of 64
-    mgr.preempt(long)                               # cut short, not finished: no evidence either way
+    mgr.preempt(long)                               # preempted, not finished: no evidence either way
     assert mgr.pool.free._fits == 0
     short = Request("short", list(range(48)))
     run_step(mgr, short, 48)
