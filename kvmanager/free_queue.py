@@ -65,10 +65,10 @@ block the release order evicted while a lower magnitude waited votes for the fre
 block the frequency order evicted that the release order would still hold (within tier 3's volume), two
 against; it acts while the votes are positive (they start at 0) and tier 3 is not youngest-first. A layout
 with windows (sliding, chunked) uses it only before follow-ups show, and only while more recently finished
-requests' chains fit their windows than not (``note_fit``, a saturating count): such a chain keeps every block from
-the first, so a hit at any depth needs every block below it, as with full attention. A longer chain keeps
-only its trailing window, whose deepest blocks serve the only hit it can give; the ghosts' duel on such
-layouts lost zipf sessions and chats (docs/retention-rounds.md, twenty-sixth round).
+requests' chains fit their windows than not (``note_fit``, a saturating count): such a chain keeps every
+block from the first, so a hit at any depth needs every block below it, as with full attention. A longer
+chain keeps only its trailing window, whose deepest blocks serve the only hit it can give; the ghosts' duel
+on such layouts lost zipf sessions and chats (docs/retention-rounds.md, twenty-sixth round).
 
 Forks are learnt from hashes alone, for sliding-only models too: where blocks are cached the first child
 of every parent hash is remembered, and a lookup follows the remembered chain past its hit; where the
@@ -199,7 +199,7 @@ class FreeQueue:
         self._votes = 0
         # The frequency order (one unit per block: ``frequency``, set by the coordinator), and its duel with
         # the release order, a saturating counter (starts in doubt, at 0); with windows (``windows``), whether
-        # released requests' chains fit them (+1) or not (-1), saturating too
+        # finished requests' chains fit them (+1) or not (-1), saturating too
         self.frequency = False
         self.windows = False
         self._fits = 0
