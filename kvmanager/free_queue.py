@@ -47,14 +47,16 @@ holds); a hit on a chain older than tier 3's volume votes for keeping old chains
 ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
 anything older than the horizon (the longest recent reuse distance) goes first: chains nobody came back
 for still age out. A **quick** chain (one with a block whose last hit from tier 3 came within what tier 3
-held then: LRU's order would have served that reuse too) then goes after the other chains, the quick ones
-youngest first as well: youngest-first protects the long tail of a cyclic or Zipf reuse, and a hot
-session's chain, which comes back before tier 3 turns over, is what it would evict first. Proven blocks
-then go last. In LRU order, chains and proven blocks are merged by release; **chains first** (still LRU
-among each) once lookups missed more proven blocks that the merged order evicted while a chain waited
-than chains-first would have cost chains' reuses (a chain hit after more proven units were evicted than
-chain units waited ahead of it; a chain it evicted, missed, weighs two): where chains never come back
-(one-off questions after shared documents or system prompts) they make room for what does.
+held then: LRU's order would have served that reuse too; or a block of a hash whose ghost, evicted
+youngest first, a lookup passed within that reach: the same reuse, missed; such hashes are remembered as
+ghosts are) then goes after the other chains, the quick ones youngest first as well: youngest-first
+protects the long tail of a cyclic or Zipf reuse, and a hot session's chain, which comes back before tier
+3 turns over, is what it would evict first. Proven blocks then go last. In LRU order, chains and proven
+blocks are merged by release; **chains first** (still LRU among each) once lookups missed more proven
+blocks that the merged order evicted while a chain waited than chains-first would have cost chains' reuses
+(a chain hit after more proven units were evicted than chain units waited ahead of it; a chain it evicted,
+missed, weighs two): where chains never come back (one-off questions after shared documents or system
+prompts) they make room for what does.
 
 **Full attention: the frequency order** (``frequency.FrequencyOrder``: how many later prompts contained each
 hash, the order of magnitude of that count, then the deepest block, then the oldest). Where every group needs
@@ -197,6 +199,9 @@ class FreeQueue:
         # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._votes = 0
+        # Ghosts evicted youngest first that a lookup passed within tier 3's volume (a reuse LRU would have
+        # served, missed): a chain released holding one of these hashes is quick
+        self._quick_again: OrderedDict[bytes, None] = OrderedDict()
         # The frequency order (one unit per block: ``frequency``, set by the coordinator), and its duel with
         # the release order, a saturating counter (starts in doubt, at 0); with windows (``windows``), whether
         # finished requests' chains fit them (+1) or not (-1), saturating too
@@ -591,6 +596,11 @@ class FreeQueue:
                 self._vote(1)               # LRU evicted what was needed: keep old chains
             elif distance <= self._reusable_units:
                 self._vote(-PENALTY)        # youngest-first evicted what LRU would have kept
+                again = self._quick_again
+                for h in passed:
+                    again[h] = None
+                while len(again) > self._cap:
+                    again.popitem(last=False)
 
     def lost_to_lru(self) -> None:
         """An admission got less than plain LRU would have granted: whatever the ghosts said, tier 3 goes
@@ -892,8 +902,9 @@ class FreeQueue:
         self._clock += units
         self._reusable_units += units
         quick = False
+        again = self._quick_again
         for block in chain:
-            if block.quick:
+            if block.quick or (again and block.block_hash in again):
                 quick = True
                 break
         chain_units = self._chain_units
