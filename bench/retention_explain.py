@@ -45,7 +45,9 @@ from kvmanager.free_queue import ANSWER, THRESHOLD, FreeQueue  # noqa: E402
 NEVER = "never evicted here"
 VOTES = {("remove", True): "hits on tier-3 batches older than tier 3 holds",
          ("note_lookup", True): "ghosts LRU's order evicted",
-         ("note_lookup", False): "ghosts youngest-first evicted that LRU would have kept"}
+         ("note_lookup", False): "ghosts youngest-first evicted that LRU would have kept",
+         ("recomputed", True): "ghosts LRU's order evicted, computed again where no lookup reached them",
+         ("recomputed", False): "ghosts youngest-first evicted that LRU would have kept, computed again"}
 
 
 class Trace:
@@ -125,6 +127,8 @@ class Trace:
         def voted(v):
             before = queue._votes >= THRESHOLD
             caller = sys._getframe(2).f_code.co_name
+            if caller == "_passed":         # ghosts met again: by a lookup's walk or computed again
+                caller = sys._getframe(3).f_code.co_name
             trace.votes[VOTES.get((caller, v > 0), f"{caller} {v:+d}")] += 1
             trace._flip_from = before
 

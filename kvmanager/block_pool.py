@@ -183,8 +183,10 @@ class BlockPool:
         """Enter ``block`` (holding block ``index`` of a request, whose predecessor hashes to ``parent``, None
         for the first block) into the prefix cache; ``learn``: tell the eviction policy how the chain goes
         on, so it learns where chains fork. ``token_ids``: the block's tokens, for ``events``."""
-        if learn and parent is not None:
-            self.free.learn(parent, block_hash)
+        if learn:
+            if parent is not None:
+                self.free.learn(parent, block_hash)
+            self.free.recomputed(block_hash)
         block.group = group
         block.block_hash = block_hash
         block.depth = index

@@ -41,7 +41,8 @@ Tier 3's order adapts. Plain LRU is the worst order for the common cyclic reuse 
 next turn queues behind every other session's, so LRU evicts exactly the chain needed next), and the best
 when reuse comes soon. It starts as LRU (the older front of chains and proven blocks goes first) and
 learns from **ghosts**: the hashes of tier-3 blocks it evicted. A lookup that stops where a ghost chain
-goes on votes for keeping old chains when LRU evicted it, and against it when youngest-first evicted it
+goes on (or a ghost's block computed again, where no lookup's walk reached it) votes for keeping old chains
+when LRU evicted it, and against it when youngest-first evicted it
 although LRU would have kept it (the distance to its release, in tier-3 units, was within what tier 3
 holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
 ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
@@ -89,7 +90,8 @@ proves wrong. Below the floor, lookups passing ghosts LRU's order evicted and hi
 would have evicted by then (``due``: counted in cached units evicted) tell the floor where the two orders
 would have parted (its evidence for giving the tiers another try). Ghosts are passed along the remembered
 chain and, past a fork, along the request's own: a session's chain behind a shared system prompt leaves the
-remembered one at the prompt's end.
+remembered one at the prompt's end. A ghost no walk reached votes when its block is computed again
+(``recomputed``): a sliding session's evicted window behind a history no order kept.
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
@@ -198,6 +200,7 @@ class FreeQueue:
         self._ghosts: OrderedDict[bytes, tuple[int, bool, bool]] = OrderedDict()  # hash -> (stamp,
         # youngest-first, evicted while following LRU)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
+        self._recomputed_batches: OrderedDict[int, None] = OrderedDict()  # stamps voted by ``recomputed``
         self._votes = 0
         # Ghosts evicted youngest first that a lookup passed within tier 3's volume (a reuse LRU would have
         # served, missed): a chain released holding one of these hashes is quick
@@ -569,38 +572,61 @@ class FreeQueue:
                 else:
                     run = False
             j += 1
-        if passed:                              # an evicted chain votes once (a request may be looked up
-            stamp, youngest, by_lru, _, _ = ghosts[passed[-1]]    # again and again while it waits)
-            sides = by_count = 0
+        if passed:                      # an evicted chain votes once (a request may be looked up again and
+            self._passed(passed, missed)  # again while it waits)
+
+    def recomputed(self, block_hash: bytes) -> None:
+        """A block of this hash was computed and cached. If it is a ghost no lookup passed, its reuse was missed
+        all the same: a sliding session's evicted trailing window sits behind a history whose dropped
+        interior no order kept (never a ghost) and whose links the bounded chain map forgot, so the walk
+        never reaches it (docs/retention-rounds.md, thirtieth round). One vote per evicted batch."""
+        ghost = self._ghosts.get(block_hash)
+        if ghost is None:
+            return
+        voted = self._recomputed_batches
+        if ghost[0] in voted:
+            del self._ghosts[block_hash]
+            return
+        voted[ghost[0]] = None
+        if len(voted) > DISTANCES:
+            voted.popitem(last=False)
+        self._passed([block_hash], 0)
+
+    def _passed(self, passed: list, missed: int) -> None:
+        """Ghosts of one evicted chain met again (``passed``, deepest last; ``missed``: the floor's evidence,
+        the blocks of them LRU's own order evicted in one run from a hit's end): the votes they cast."""
+        ghosts = self._ghosts
+        stamp, youngest = ghosts[passed[-1]][:2]
+        sides = by_count = 0
+        for h in passed:
+            ghost = ghosts.pop(h)
+            side = ghost[3]
+            sides |= 1 if side > 0 else 2 if side < 0 else 0
+            if ghost[4] > 0:
+                by_count |= 1
+            elif ghost[4] < 0 and self._clock - ghost[0] <= self._reusable_units:
+                by_count |= 2           # the frequency order evicted it, the release order would still hold it
+        if by_count & 1:
+            self._frequency_votes = min(VOTE_CAP, self._frequency_votes + 1)
+        if by_count & 2:
+            self._frequency_votes = max(-VOTE_CAP, self._frequency_votes - PENALTY)
+        if sides & 1:
+            self._tails = min(VOTE_CAP, self._tails + 1)        # chains first would have kept it
+        if sides & 2:
+            self._tails = max(-VOTE_CAP, self._tails - PENALTY)  # LRU's merged order would have
+        if missed and self.floor.follow_lru and self._votes >= THRESHOLD:
+            self.floor.tiers_vs_lru(missed)     # LRU evicted it, the tiers would have kept old chains
+        distance = self._clock - stamp
+        self._distances.append(distance)
+        if not youngest:
+            self._vote(1)               # LRU evicted what was needed: keep old chains
+        elif distance <= self._reusable_units:
+            self._vote(-PENALTY)        # youngest-first evicted what LRU would have kept
+            again = self._quick_again
             for h in passed:
-                ghost = ghosts.pop(h)
-                side = ghost[3]
-                sides |= 1 if side > 0 else 2 if side < 0 else 0
-                if ghost[4] > 0:
-                    by_count |= 1
-                elif ghost[4] < 0 and self._clock - ghost[0] <= self._reusable_units:
-                    by_count |= 2           # the frequency order evicted it, the release order would still hold it
-            if by_count & 1:
-                self._frequency_votes = min(VOTE_CAP, self._frequency_votes + 1)
-            if by_count & 2:
-                self._frequency_votes = max(-VOTE_CAP, self._frequency_votes - PENALTY)
-            if sides & 1:
-                self._tails = min(VOTE_CAP, self._tails + 1)        # chains first would have kept it
-            if sides & 2:
-                self._tails = max(-VOTE_CAP, self._tails - PENALTY)  # LRU's merged order would have
-            if missed and self.floor.follow_lru and self._votes >= THRESHOLD:
-                self.floor.tiers_vs_lru(missed)     # LRU evicted it, the tiers would have kept old chains
-            distance = self._clock - stamp
-            self._distances.append(distance)
-            if not youngest:
-                self._vote(1)               # LRU evicted what was needed: keep old chains
-            elif distance <= self._reusable_units:
-                self._vote(-PENALTY)        # youngest-first evicted what LRU would have kept
-                again = self._quick_again
-                for h in passed:
-                    again[h] = None
-                while len(again) > self._cap:
-                    again.popitem(last=False)
+                again[h] = None
+            while len(again) > self._cap:
+                again.popitem(last=False)
 
     def lost_to_lru(self) -> None:
         """An admission got less than plain LRU would have granted: whatever the ghosts said, tier 3 goes
