@@ -46,8 +46,10 @@ when LRU evicted it, and against it when youngest-first evicted it
 although LRU would have kept it (the distance to its release, in tier-3 units, was within what tier 3
 holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
 ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
-anything older than the horizon (the longest recent reuse distance) goes first: chains nobody came back
-for still age out. A **quick** chain (one with a block whose last hit from tier 3 came within what tier 3
+anything older than the horizon goes first: chains nobody came back for still age out. The horizon is the
+keep-time that serves most of the latest reuse distances (``_horizon``: youngest-first serves about V / H of
+the reuses within a horizon H, V what tier 3 can hold); proven blocks, reused by any request at any
+distance, age out only past the longest. A **quick** chain (one with a block whose last hit from tier 3 came within what tier 3
 held then: LRU's order would have served that reuse too; or a block of a hash whose ghost, evicted
 youngest first, a lookup passed within that reach: the same reuse, missed; such hashes are remembered as
 ghosts are) then goes after the other chains, the quick ones youngest first as well: youngest-first
@@ -91,7 +93,9 @@ would have evicted by then (``due``: counted in cached units evicted) tell the f
 would have parted (its evidence for giving the tiers another try). Ghosts are passed along the remembered
 chain and, past a fork, along the request's own: a session's chain behind a shared system prompt leaves the
 remembered one at the prompt's end. A ghost no walk reached votes when its block is computed again
-(``recomputed``): a sliding session's evicted window behind a history no order kept.
+(``recomputed``): a sliding session's evicted window behind a history no order kept. Not a block a running
+request dropped below no fork (an edit's cut computes those again: tier 1's claim failing, not a follow-up
+LRU thrashed).
 
 Pool units and composites (see ``block_pool``): a block of a group of width ``k > 1`` is a composite of
 ``k`` units. Each tier (or batch) holds loose units (never used, left over, or width-1 groups' blocks)
@@ -104,6 +108,7 @@ groups only, this is one order and exactly the policy above.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict, deque
 
 from .floor import Floor, Shadow
@@ -125,13 +130,15 @@ DOUBT = 20
 THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
 VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
 PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
-DISTANCES = 64       # reuse distances kept for the horizon
+DISTANCES = 16       # reuse distances kept for the horizon: the latest, as they grow with a session's history
+VOTED = 64           # evicted batches remembered as having voted (``recomputed``)
 
 
 class Bin:
     """Free entries of one tier or one release batch: loose units and composites per kind, each in order."""
 
-    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young", "due", "ahead")
+    __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young", "due", "ahead",
+                 "dropped")
 
     def __init__(self, widths: tuple[int, ...], stamp: int = 0, batches: OrderedDict | None = None):
         self.loose: OrderedDict[int, object] = OrderedDict()
@@ -147,6 +154,7 @@ class Bin:
         # tier 3, a chain: proven units evicted by its release, plus the chain units then waiting ahead of it
         # (chains first would have evicted it once more proven units than that went)
         self.ahead = 0
+        self.dropped = False        # tier 3: blocks a running request dropped below no fork (``add_dropped``)
 
     def entries(self) -> list:
         out = list(self.loose.values())
@@ -195,10 +203,11 @@ class FreeQueue:
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
         # about twice what the pool holds, the range where keeping old chains can win (as ARC's ghost lists)
         self._cap = max(16, 2 * len(units))
+        self._pool_units = len(units)
         self.children: OrderedDict[bytes, bytes] = OrderedDict()   # parent hash -> its first child seen
         self.forks: OrderedDict[bytes, None] = OrderedDict()       # parents seen with two children
-        self._ghosts: OrderedDict[bytes, tuple[int, bool, bool]] = OrderedDict()  # hash -> (stamp,
-        # youngest-first, evicted while following LRU)
+        self._ghosts: OrderedDict[bytes, tuple] = OrderedDict()  # hash -> (stamp, youngest-first, evicted
+        # while following LRU, chains-or-proven side, frequency side, dropped by a running request)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._recomputed_batches: OrderedDict[int, None] = OrderedDict()  # stamps voted by ``recomputed``
         self._votes = 0
@@ -267,7 +276,7 @@ class FreeQueue:
                         doubted.append(block)
             i += 1
         if doubted:
-            self._release_batches(doubted, [])
+            self._release_batches(doubted, [], dropped=True)
         if proven:
             self._release_batches([], proven)
         self._lru_release(reversed(blocks))      # LRU: a drop releases from the window's edge backwards
@@ -314,7 +323,7 @@ class FreeQueue:
                 for e in covered:
                     self._detach(e)
                 if covered:
-                    self._release_batches(covered, [])
+                    self._release_batches(covered, [], dropped=claim != ANSWER)
         return holds
 
     def _claim(self, block, tier: int) -> None:
@@ -579,16 +588,19 @@ class FreeQueue:
         """A block of this hash was computed and cached. If it is a ghost no lookup passed, its reuse was missed
         all the same: a sliding session's evicted trailing window sits behind a history whose dropped
         interior no order kept (never a ghost) and whose links the bounded chain map forgot, so the walk
-        never reaches it (docs/retention-rounds.md, thirtieth round). One vote per evicted batch."""
+        never reaches it (docs/retention-rounds.md, thirtieth round). One vote per evicted batch. A block a
+        running request dropped below no fork casts none: an edit's prefill computes such blocks again below
+        its cut, which is tier 1's claim failing (checked there), and as votes they turned tier 3
+        youngest-first on edits (thirty-first round)."""
         ghost = self._ghosts.get(block_hash)
-        if ghost is None:
+        if ghost is None or ghost[5]:
             return
         voted = self._recomputed_batches
         if ghost[0] in voted:
             del self._ghosts[block_hash]
             return
         voted[ghost[0]] = None
-        if len(voted) > DISTANCES:
+        if len(voted) > VOTED:
             voted.popitem(last=False)
         self._passed([block_hash], 0)
 
@@ -627,6 +639,25 @@ class FreeQueue:
                 again[h] = None
             while len(again) > self._cap:
                 again.popitem(last=False)
+
+    def _horizon(self) -> int:
+        """The keep-time that serves most of the latest reuses. Youngest-first keeps a chain it lets in until
+        the chain passes the horizon H and lets in about V / H of them (V: what tier 3 can hold, the pool's
+        units, or what it holds where that is more), so it serves a reuse at distance d <= H about
+        min(1, V / H) of the time: H maximises that times the distances within it. So H is never below the
+        longest latest distance within the pool, and goes further only where the reuses it adds outweigh the
+        share it dilutes (the longest distance, before, held every stale chain open for the rarest reuse)."""
+        ordered = sorted(self._distances)
+        if not ordered:
+            return 0
+        volume = max(1, self._pool_units, self._reusable_units)
+        i = bisect_right(ordered, volume)
+        best, horizon = float(i), ordered[i - 1] if i else 0
+        for n in range(i, len(ordered)):
+            served = (n + 1) * volume / ordered[n]
+            if served >= best:
+                best, horizon = served, ordered[n]
+        return horizon
 
     def lost_to_lru(self) -> None:
         """An admission got less than plain LRU would have granted: whatever the ghosts said, tier 3 goes
@@ -731,8 +762,9 @@ class FreeQueue:
 
     def _bins(self):
         """Every bin in eviction order: the three tiers, then tier 3's batches. The older front of chains
-        and proven batches first (LRU); keeping old chains, only while it is past the horizon, then the
-        chains youngest first, then the proven batches. Bins must not change while this runs. Below the
+        and proven batches first (LRU); keeping old chains, only while it is past the horizon (a proven batch:
+        past the longest recent reuse distance), then the chains youngest first, then the proven batches.
+        Bins must not change while this runs. Below the
         floor (``floor.follow_lru``): the empty tier, then content plain LRU does not hold, then the rest in
         plain LRU order."""
         if self.floor.follow_lru:
@@ -759,9 +791,10 @@ class FreeQueue:
                 b.young = False
                 yield b
             return
-        cut = None
+        cut = cut_proven = None
         if self._votes >= THRESHOLD:
-            cut = self._clock - (max(self._distances) if self._distances else 0)
+            cut = self._clock - self._horizon()
+            cut_proven = self._clock - (max(self._distances) if self._distances else 0)
         chains, quick, proven = (iter(self._chains.values()), iter(self._quick.values()),
                                  iter(self._proven.values()))
         c, q, p = next(chains, None), next(quick, None), next(proven, None)
@@ -769,7 +802,8 @@ class FreeQueue:
             b = c
             if q is not None and (b is None or q.stamp < b.stamp):
                 b = q
-            if p is not None and (b is None or p.stamp < b.stamp):
+            if (p is not None and (b is None or p.stamp < b.stamp)
+                    and (cut_proven is None or p.stamp < cut_proven)):
                 b = p
             if b is None or (cut is not None and b.stamp >= cut):
                 break
@@ -893,7 +927,7 @@ class FreeQueue:
                         if front is not None and order.key(entry) > order.key(front):
                             by_count = 1
                 ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side,
-                                            by_count)
+                                            by_count, tier.dropped)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
@@ -921,7 +955,7 @@ class FreeQueue:
             if not b.units:
                 del b.batches[id(b)]
 
-    def _release_batches(self, chain: list, proven: list) -> None:
+    def _release_batches(self, chain: list, proven: list, dropped: bool = False) -> None:
         """One release into tier 3: both batches get the same stamp; the chain goes first on a tie."""
         units = sum(len(x.units) for x in chain) + sum(len(x.units) for x in proven)
         waiting = self._reusable_units
@@ -939,6 +973,7 @@ class FreeQueue:
                 b = Bin(self.widths, self._clock, batches)
                 b.due = self._evicted + (waiting if batches is self._proven else 0)
                 b.ahead = self._proven_evicted + chain_units
+                b.dropped = dropped
                 for block in blocks:
                     self._push(block, b)
                 if batches is not self._proven:
@@ -979,6 +1014,7 @@ class FreeQueue:
             e.claim = 0
             self._push(e, empty)
         self._cap = max(16, 2 * self.num_free_units)
+        self._pool_units = self.num_free_units
         self.floor.reset()
 
     def entries(self) -> list:
