@@ -49,10 +49,10 @@ holds); a hit on a chain older than tier 3's volume votes for keeping old chains
 anything older than the horizon goes first: chains nobody came back for still age out. The horizon is the
 keep-time that serves most of the latest reuse distances (``_horizon``: youngest-first serves about V / H of
 the reuses within a horizon H, V what tier 3 can hold); proven blocks, reused by any request at any
-distance, age out only past the longest. A **quick** chain (one with a block whose last hit from tier 3 came within what tier 3
-held then: LRU's order would have served that reuse too; or a block of a hash whose ghost, evicted
-youngest first, a lookup passed within that reach: the same reuse, missed; such hashes are remembered as
-ghosts are) then goes after the other chains, the quick ones youngest first as well: youngest-first
+distance, age out only past the longest. A **quick** chain (one with a block whose last hit from tier 3
+came within what tier 3 held then: LRU's order would have served that reuse too; or a block of a hash
+whose ghost, evicted youngest first, a lookup passed within that reach: the same reuse, missed; such hashes
+are remembered as ghosts are) then goes after the other chains, the quick ones youngest first as well: youngest-first
 protects the long tail of a cyclic or Zipf reuse, and a hot session's chain, which comes back before tier
 3 turns over, is what it would evict first. Proven blocks then go last. In LRU order, chains and proven
 blocks are merged by release; **chains first** (still LRU among each) once lookups missed more proven
@@ -764,9 +764,8 @@ class FreeQueue:
         """Every bin in eviction order: the three tiers, then tier 3's batches. The older front of chains
         and proven batches first (LRU); keeping old chains, only while it is past the horizon (a proven batch:
         past the longest recent reuse distance), then the chains youngest first, then the proven batches.
-        Bins must not change while this runs. Below the
-        floor (``floor.follow_lru``): the empty tier, then content plain LRU does not hold, then the rest in
-        plain LRU order."""
+        Bins must not change while this runs. Below the floor (``floor.follow_lru``): the empty tier, then
+        content plain LRU does not hold, then the rest in plain LRU order."""
         if self.floor.follow_lru:
             yield self._tiers[EMPTY]
             if self.floor.reference is self.floor.dense:
