@@ -209,6 +209,7 @@ class FreeQueue:
         self._ghosts: OrderedDict[bytes, tuple] = OrderedDict()  # hash -> (stamp, youngest-first, evicted
         # while following LRU, chains-or-proven side, frequency side, dropped by a running request)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
+        self._horizon_for: tuple[int, int] | None = None   # (volume, horizon) since the last distance
         self._recomputed_batches: OrderedDict[int, None] = OrderedDict()  # stamps voted by ``recomputed``
         self._votes = 0
         # Ghosts evicted youngest first that a lookup passed within tier 3's volume (a reuse LRU would have
@@ -408,7 +409,7 @@ class FreeQueue:
             if age > self._reusable_units:      # LRU would have evicted it by now
                 self._vote(1)
             if b.batches is not self._proven:
-                self._distances.append(age)
+                self._reused_after(age)
         if b.batches is not None:
             block.quick = self._clock - b.stamp <= self._reusable_units
             if (b.batches is not self._proven and self._tails <= 0 and not b.young
@@ -629,7 +630,7 @@ class FreeQueue:
         if missed and self.floor.follow_lru and self._votes >= THRESHOLD:
             self.floor.tiers_vs_lru(missed)     # LRU evicted it, the tiers would have kept old chains
         distance = self._clock - stamp
-        self._distances.append(distance)
+        self._reused_after(distance)
         if not youngest:
             self._vote(1)               # LRU evicted what was needed: keep old chains
         elif distance <= self._reusable_units:
@@ -640,6 +641,10 @@ class FreeQueue:
             while len(again) > self._cap:
                 again.popitem(last=False)
 
+    def _reused_after(self, distance: int) -> None:
+        self._distances.append(distance)
+        self._horizon_for = None
+
     def _horizon(self) -> int:
         """The keep-time that serves most of the latest reuses. Youngest-first keeps a chain it lets in until
         the chain passes the horizon H and lets in about V / H of them (V: what tier 3 can hold, the pool's
@@ -647,16 +652,20 @@ class FreeQueue:
         min(1, V / H) of the time: H maximises that times the distances within it. So H is never below the
         longest latest distance within the pool, and goes further only where the reuses it adds outweigh the
         share it dilutes (the longest distance, before, held every stale chain open for the rarest reuse)."""
+        volume = max(1, self._pool_units, self._reusable_units)
+        memo = self._horizon_for           # asked at every eviction while youngest-first; in a pool the
+        if memo is not None and memo[0] == volume:      # volume is the pool's, so it changes with a distance
+            return memo[1]
         ordered = sorted(self._distances)
         if not ordered:
             return 0
-        volume = max(1, self._pool_units, self._reusable_units)
         i = bisect_right(ordered, volume)
         best, horizon = float(i), ordered[i - 1] if i else 0
         for n in range(i, len(ordered)):
             served = (n + 1) * volume / ordered[n]
             if served >= best:
                 best, horizon = served, ordered[n]
+        self._horizon_for = (volume, horizon)
         return horizon
 
     def lost_to_lru(self) -> None:

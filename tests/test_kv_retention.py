@@ -628,10 +628,10 @@ def test_the_horizon_is_the_keep_time_that_serves_most_recent_reuses_not_the_lon
 def test_the_horizon_covers_every_recent_distance_within_the_pool_and_goes_beyond_only_for_enough_reuses():
     q = FreeQueue([Block(i) for i in range(1, 21)], (1,))     # a pool of 20 units
     for d in (6, 5, 4, 19, 100):
-        q._distances.append(d)
+        q._reused_after(d)
     assert q._horizon() == 19       # 4 reuses within the pool, against 5 at 20 / 100 of the time (1.0)
     for _ in range(10):
-        q._distances.append(30)
+        q._reused_after(30)
     assert q._horizon() == 30       # 14 at 20 / 30 of the time (9.3) against 4; 15 at 20 / 100 (3.0)
 
 
