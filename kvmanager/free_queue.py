@@ -586,10 +586,12 @@ class FreeQueue:
             self._passed(passed, missed)  # again while it waits)
 
     def recomputed(self, block_hash: bytes) -> None:
-        """A block of this hash was computed and cached. If it is a ghost no lookup passed, its reuse was missed
-        all the same: a sliding session's evicted trailing window sits behind a history whose dropped
-        interior no order kept (never a ghost) and whose links the bounded chain map forgot, so the walk
-        never reaches it (docs/retention-rounds.md, thirtieth round). One vote per evicted batch. A block a
+        """A block of this hash was computed and cached. If it is a ghost of a batch no lookup passed, its reuse
+        was missed all the same: a sliding session's evicted trailing window sits behind a history whose
+        dropped interior no order kept (never a ghost) and whose links the bounded chain map forgot, so the
+        walk never reaches it (docs/retention-rounds.md, thirtieth round). One vote per evicted batch, a
+        walk's included: a lookup that hit nothing walks from the second block (the first has no parent to
+        follow), so a chain it passed comes back here with its first block (thirty-second round). A block a
         running request dropped below no fork casts none: an edit's prefill computes such blocks again below
         its cut, which is tier 1's claim failing (checked there), and as votes they turned tier 3
         youngest-first on edits (thirty-first round)."""
@@ -600,9 +602,6 @@ class FreeQueue:
         if ghost[0] in voted:
             del self._ghosts[block_hash]
             return
-        voted[ghost[0]] = None
-        if len(voted) > VOTED:
-            voted.popitem(last=False)
         self._passed([block_hash], 0)
 
     def _passed(self, passed: list, missed: int) -> None:
@@ -610,6 +609,10 @@ class FreeQueue:
         the blocks of them LRU's own order evicted in one run from a hit's end): the votes they cast."""
         ghosts = self._ghosts
         stamp, youngest = ghosts[passed[-1]][:2]
+        voted = self._recomputed_batches    # its blocks computed again later cast no second vote
+        voted[stamp] = None
+        if len(voted) > VOTED:
+            voted.popitem(last=False)
         sides = by_count = 0
         for h in passed:
             ghost = ghosts.pop(h)

@@ -200,17 +200,21 @@ def sessions(count: int = 6, turns: int = 6):
 
 def test_after_lru_takes_over_its_misses_on_chains_it_evicted_give_the_tiers_back(tier1_never_doubted):
     # Sliding W 8, block 4, 20 blocks: four edit rounds (the tiers lose round 2's edit, 0 against LRU's 24:
-    # the floor follows LRU), then six sessions in turn. LRU evicts each session's window before its next
-    # turn (cyclic reuse): it hits nothing. Those are lookups passing ghosts LRU's order evicted while
-    # the votes say keep old chains: once that evidence (12 tokens a turn, less 8 for each edit's hit on a
-    # tier-1 block LRU kept) covers the deficit (24 less the slack since), it is written off (the 11th session turn) and
-    # the tiers keep old windows again: turns 3-6 of each session hit their whole history but the last
-    # turn's window (24 x 5, 32 x 6, 40 x 6, 52 x 6 = 864 tokens). The rule before (LRU serving fewer hit
-    # tokens than the tiers' last stretch) never fired here: 0 chat hits. Before a ghost computed again voted
-    # (docs/retention-rounds.md, thirtieth round), the votes reached the threshold three session turns later
-    # (the walk passes no ghost behind the sessions' dropped interiors): write-off at the 14th, 792 tokens.
+    # the floor follows LRU), then seven sessions in turn. LRU evicts each session's window before its next
+    # turn (cyclic reuse): it hits nothing. Each second turn's lookup passes its session's evicted chain, one
+    # vote each; from the fourth (THRESHOLD votes: keep old chains) those are lookups passing ghosts LRU's
+    # order evicted that the tiers' order would have kept, 16 tokens of evidence a turn on top of -16 (8 for
+    # each later edit's hit on a tier-1 block LRU kept). Once it covers the deficit (24 less the slack since)
+    # it is written off (the 14th session turn, the seventh's second) and the tiers keep old windows again:
+    # the fourth to seventh sessions' third turns and every later turn hit their whole history but the last
+    # turn's window (24 x 4, 32 x 7, 40 x 7, 52 x 7 less 4 for each of the last three sessions' last turns,
+    # which LRU's pool would serve a block further: 952 tokens). The rule before (LRU serving fewer hit
+    # tokens than the tiers' last stretch) never fired here: 0 chat hits. With six sessions the write-off
+    # once came at the 11th session turn, a vote from each passed chain's first block computed again counting
+    # it twice (docs/retention-rounds.md, thirty-second round); with one vote a chain, six sessions give
+    # the evidence too few turns before LRU's own pool starts serving them.
     mgr = KVCacheManager([SlidingWindow(B, window=W)], num_blocks=21, last_message_tokens=0)
-    trace = list(edits(4)) + list(sessions())
+    trace = list(edits(4)) + list(sessions(7))
 
     def run(m, request_cls):
         return [(kind, serve(m, request_cls(f"r{i}", tokens))) for i, (kind, tokens) in enumerate(trace)]
@@ -219,30 +223,30 @@ def test_after_lru_takes_over_its_misses_on_chains_it_evicted_give_the_tiers_bac
     assert [h for k, h in lru if k == "edit"] == [24] * 4 and sum(h for k, h in lru if k == "chat") == 0
     assert [h for k, h in hits if k == "edit"] == [24, 0, 24, 24]
     chat = [h for k, h in hits if k == "chat"]
-    assert chat[:13] == [0] * 13 and sum(chat) == 864
+    assert chat[:17] == [0] * 17 and sum(chat) == 952
     floor = mgr.pool.free.floor
-    # forgiven: the edit's 24 less the slack (0.002 a token) of the 609 prompt tokens of the first 15
-    # admissions (4 x 97 of the edit rounds, 6 x 16 + 5 x 25 of the sessions)
-    assert (floor.switches, floor.follow_lru, round(floor.forgiven, 3)) == (2, False, round(24 - 0.002 * 609, 3))
+    # forgiven: the edit's 24 less the slack (0.002 a token) of the 675 prompt tokens of the first 26
+    # admissions (4 x 97 of the edit rounds, 7 x 16 + 7 x 25 of the sessions)
+    assert (floor.switches, floor.follow_lru, round(floor.forgiven, 3)) == (2, False, round(24 - 0.002 * 675, 3))
     prompt = sum(len(t) for _, t in trace)
-    assert prompt == 1774 and sum(h for _, h in hits) >= sum(h for _, h in lru) - SLACK * prompt - floor.forgiven
+    assert prompt == 2005 and sum(h for _, h in hits) >= sum(h for _, h in lru) - SLACK * prompt - floor.forgiven
 
 
 def test_on_the_same_trace_with_both_lrus_the_sparse_one_becomes_the_reference_and_the_tiers_keep_up(
         tier1_never_doubted):
     # The trace above with the sparse LRU shadowed too. It never holds the documents' and the sessions'
     # dropped interior windows, so from the sessions' second turn on it keeps the prompt-end windows a
-    # follow-up hits while dense LRU hits nothing: by the 16th session turn it has out-hit dense LRU by a
+    # follow-up hits while dense LRU hits nothing: by the 19th session turn it has out-hit dense LRU by a
     # pool's worth of tokens (20 blocks x 4 = 80) and becomes the reference. By then the deficit was
-    # written off and the tiers hit what it hits: the credit stays >= 0, the chat phase hits 864 as above,
+    # written off and the tiers hit what it hits: the credit stays >= 0, the chat phase hits 952 as above,
     # and dense LRU's 96 are the edits' (the simulator's LRU: 4 x 24, no chat hit).
     mgr = KVCacheManager([SlidingWindow(B, window=W)], num_blocks=21, last_message_tokens=0)
-    trace = list(edits(4)) + list(sessions())
+    trace = list(edits(4)) + list(sessions(7))
     hits = [(kind, serve(mgr, Request(f"r{i}", tokens))) for i, (kind, tokens) in enumerate(trace)]
     chat = [h for k, h in hits if k == "chat"]
-    assert chat[:13] == [0] * 13 and sum(chat) == 864
+    assert chat[:17] == [0] * 17 and sum(chat) == 952
     floor = mgr.pool.free.floor
-    assert (floor.on_sparse, floor.changes, floor.sparse_admissions) == (True, 1, len(trace) - 28)
+    assert (floor.on_sparse, floor.changes, floor.sparse_admissions) == (True, 1, len(trace) - 31)
     assert floor.credit >= 0 and not floor.follow_lru
     assert floor.dense_hits == 96 and floor.sparse_hits > floor.dense_hits + floor.cap
 
