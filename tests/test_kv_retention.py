@@ -555,18 +555,29 @@ def test_a_sliding_sessions_evicted_window_computed_again_behind_a_history_no_or
     assert q.ids() == [8, 7, 6, 5]                  # horizon 7, cut 1: youngest first
 
 
-def test_an_evicted_chain_computed_again_votes_once_however_many_of_its_blocks_come_back():
-    q = FreeQueue([], (1,))
+def _chain_evicted_after_votes(q: FreeQueue, linked: bool) -> tuple[list[Block], Block, list[Block]]:
+    """THRESHOLD - 2 votes from lookups through evicted one-block chains; then a three-block chain (its links
+    learnt if ``linked``) and a one-block chain, released and evicted (LRU: their ghosts), and three younger
+    one-block chains waiting. Returns (chain, the one-block chain, the waiting ones)."""
     lookups = _evicted_chains(q, 1, THRESHOLD - 2)  # ghosts of one-block chains, ids 1 .. THRESHOLD - 2
-    chain, (other,) = _blocks(THRESHOLD - 1, 3, "g"), _blocks(THRESHOLD + 2, 1, "o")
-    _release(q, chain)                              # a chain of three blocks, then a one-block chain
+    chain, (other,) = _blocks(THRESHOLD - 1, 3, "s"), _blocks(THRESHOLD + 2, 1, "o")
+    if linked:
+        for parent, child in zip(chain, chain[1:]):
+            q.learn(parent.block_hash, child.block_hash)
+    _release(q, chain)
     _release(q, [other])
-    assert [q.take(0) for _ in range(4)] == [[b] for b in (*chain, other)]   # LRU: their ghosts
+    assert [q.take(0) for _ in range(4)] == [[b] for b in (*chain, other)]
     later = _blocks(THRESHOLD + 3, 3, "c")
     for b in later:
         _release(q, [b])
     for lookup in lookups:
-        lookup()                                    # THRESHOLD - 2 votes
+        lookup()
+    return chain, other, later
+
+
+def test_an_evicted_chain_computed_again_votes_once_however_many_of_its_blocks_come_back():
+    q = FreeQueue([], (1,))
+    chain, other, later = _chain_evicted_after_votes(q, linked=False)
     for b in chain:
         q.recomputed(b.block_hash)                  # the chain's three blocks: one vote, THRESHOLD - 1
     assert q.ids() == [b.block_id for b in later]   # still LRU
@@ -580,18 +591,7 @@ def test_a_chain_a_lookup_passed_casts_no_second_vote_when_its_first_block_is_co
     # block again; one evicted chain, one vote (before, two: every zipf session LRU evicted counted twice,
     # zipf full 4774, seed 103 unseen draw 1)
     q = FreeQueue([], (1,))
-    lookups = _evicted_chains(q, 1, THRESHOLD - 2)  # ghosts of one-block chains, ids 1 .. THRESHOLD - 2
-    chain, (other,) = _blocks(THRESHOLD - 1, 3, "s"), _blocks(THRESHOLD + 2, 1, "o")
-    for parent, child in zip(chain, chain[1:]):
-        q.learn(parent.block_hash, child.block_hash)
-    _release(q, chain)                              # one three-block chain, then a one-block chain
-    _release(q, [other])
-    assert [q.take(0) for _ in range(4)] == [[b] for b in (*chain, other)]   # LRU: their ghosts
-    later = _blocks(THRESHOLD + 3, 3, "c")
-    for b in later:
-        _release(q, [b])
-    for lookup in lookups:
-        lookup()                                    # THRESHOLD - 2 votes
+    chain, other, later = _chain_evicted_after_votes(q, linked=True)
     prompt = [b.block_hash for b in chain] + [b"new"]
     q.note_lookup(prompt.__getitem__, 0, 4)         # the walk passes the chain's second and third: one vote
     for h in prompt:
