@@ -131,7 +131,7 @@ THRESHOLD = 4        # net votes before tier 3 evicts the youngest chain first
 VOTE_CAP = 16        # the counter saturates: a change of workload turns it back within a few lookups
 PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
 DISTANCES = 16       # reuse distances kept for the horizon: the latest, as they grow with a session's history
-VOTED = 64           # evicted batches remembered as having voted (``recomputed``)
+VOTED = 64           # evicted batches remembered as having voted (by a walk or ``recomputed``)
 
 
 class Bin:
@@ -210,7 +210,7 @@ class FreeQueue:
         # while following LRU, chains-or-proven side, frequency side, dropped by a running request)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._horizon_for: tuple[int, int] | None = None   # (volume, horizon) since the last distance
-        self._recomputed_batches: OrderedDict[int, None] = OrderedDict()  # stamps voted by ``recomputed``
+        self._voted_batches: OrderedDict[int, None] = OrderedDict()  # stamps of the batches that voted
         self._votes = 0
         # Ghosts evicted youngest first that a lookup passed within tier 3's volume (a reuse LRU would have
         # served, missed): a chain released holding one of these hashes is quick
@@ -598,7 +598,7 @@ class FreeQueue:
         ghost = self._ghosts.get(block_hash)
         if ghost is None or ghost[5]:
             return
-        voted = self._recomputed_batches
+        voted = self._voted_batches
         if ghost[0] in voted:
             del self._ghosts[block_hash]
             return
@@ -609,7 +609,7 @@ class FreeQueue:
         the blocks of them LRU's own order evicted in one run from a hit's end): the votes they cast."""
         ghosts = self._ghosts
         stamp, youngest = ghosts[passed[-1]][:2]
-        voted = self._recomputed_batches    # its blocks computed again later cast no second vote
+        voted = self._voted_batches    # its blocks computed again later cast no second vote
         voted[stamp] = None
         if len(voted) > VOTED:
             voted.popitem(last=False)
