@@ -646,7 +646,8 @@ def test_the_horizon_is_the_keep_time_that_serves_most_recent_reuses_not_the_lon
     # d <= H about min(1, V / H) of the time. The longest distance as H (before) held every stale chain for
     # the rarest reuse; H = 6 serves 3 of the 4 (score 3) where H = 19 serves all at 12 / 19 (score 2.5):
     # chains released before 20 - 6 go first, oldest first. (chat gemma3 2973, seed 328134681, draw 2: 0.280
-    # with the longest, 0.343 now; zipf gemma3 1735, seed 328134681, draw 0: 0.238 -> 0.448)
+    # with the longest, 0.343 with this; zipf gemma3 1735, seed 328134681, draw 0: 0.238 -> 0.448; since the
+    # thirty-second round 0.369 and 0.445)
     q = FreeQueue([], (1,))
     _three_quick_reuses_and_one_long(q)
     assert q.ids() == [9, 10, 11, 12, 13, 20, 19, 18, 17, 16, 15, 14]
