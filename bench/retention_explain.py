@@ -5,9 +5,11 @@ and which evictions cost the hits LRU's pool would have served.
 a ``Trace`` attached to swakv's manager, and prints:
 
 - the hit rate next to the simulated LRU's on its own schedule, and the hit tokens the floor counts next to
-  its shadow's (LRU's hits on swakv's schedule): where the two LRU figures differ, the floor cannot see the
-  whole gap. The hit rate counts first admissions; the floor counts every admission, so where requests are
-  preempted swakv can lead its shadow and still trail LRU's hit rate;
+  its shadow's (LRU's hits on swakv's schedule) and those of LRU served that schedule exactly
+  (``SameSchedule``): where the shadow and the exact figure differ, the shadow is off; where the exact
+  figure and LRU's own run differ, the schedule is, and the floor cannot see that part of the gap. The hit
+  rate counts first admissions; the floor counts every admission, so where requests are preempted swakv
+  can lead its shadow and still trail LRU's hit rate;
 - the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
 - a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
   in force (the tiers with tier 3 in LRU order, or by count on full attention, youngest-first, or LRU below
@@ -164,6 +166,65 @@ class Trace:
         self._pending = []
 
 
+class SameSchedule:
+    """swakv's adapter, with plain LRU (``retention_sim``: vLLM dense's order) served the same schedule: each
+    request admitted, preempted and finished when swakv's is. Where LRU's own hit is shorter it computes the
+    difference within the admission's step; longer, it waits for swakv's request to catch up. Its hits are
+    what the floor's shadow estimates without a second pool: where the two differ the shadow is off, where
+    this and LRU's own run differ the schedule is."""
+
+    def __init__(self, swakv, lru):
+        self.swakv, self.lru = swakv, lru
+        self.twins: dict = {}           # swakv's request -> LRU's
+        self.lru_hits = 0               # LRU's hit tokens at every admission (the floor's count)
+        self._found = None              # LRU's lookup for the request being admitted
+
+    def request(self, rid: str, prompt):
+        req = self.swakv.request(rid, prompt)
+        self.twins[id(req)] = self.lru.request(rid, prompt)
+        return req
+
+    def lookup(self, req):
+        self._found = self.lru.lookup(self.twins[id(req)])
+        return self.swakv.lookup(req)
+
+    def allocate(self, req, n: int, hit: int = 0, blocks=None) -> bool:
+        if not self.swakv.allocate(req, n, hit, blocks):
+            return False
+        twin = self.twins[id(req)]
+        if blocks is not None:          # an admission: LRU takes its own hit
+            lru_blocks, lru_hit = self._found
+            ok = self.lru.allocate(twin, max(0, hit + n - lru_hit), lru_hit, lru_blocks)
+            twin.num_computed_tokens += lru_hit
+            self.lru_hits += lru_hit
+        else:
+            behind = req.num_computed_tokens + n - twin.num_computed_tokens
+            ok = behind <= 0 or self.lru.allocate(twin, behind)
+        if not ok:
+            raise RuntimeError("plain LRU's pool ran short on swakv's schedule")
+        return True
+
+    def admitted(self, req, hit: int, index: int) -> None:
+        self.swakv.admitted(req, hit, index)
+
+    def advance(self, req, n: int) -> None:
+        self.swakv.advance(req, n)
+        twin = self.twins[id(req)]
+        twin.num_computed_tokens = max(twin.num_computed_tokens, req.num_computed_tokens)
+
+    def append(self, req, token: int) -> None:
+        self.swakv.append(req, token)
+        self.lru.append(self.twins[id(req)], token)
+
+    def preempt(self, req) -> None:
+        self.swakv.preempt(req)
+        self.lru.preempt(self.twins[id(req)])
+
+    def free(self, req) -> None:
+        self.swakv.free(req)
+        self.lru.free(self.twins.pop(id(req)))
+
+
 def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) -> list[tuple[int, float, float]]:
     """``(pool, LRU's hit rate, swakv's)`` at nine pools spread evenly over ``pool`` +- ``percent`` %."""
     import retention as R
@@ -193,7 +254,8 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     swakv = R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout))
     try:
         with Trace(swakv.mgr) as trace:
-            stats = R.serve(workload, swakv, **kw)
+            both = SameSchedule(swakv, R.SimAdapter(windows, num_blocks, "lru"))
+            stats = R.serve(workload, both, **kw)
     except RuntimeError as exc:             # a request that fits nowhere: say which pools the grid runs
         ceiling = R.SimAdapter(windows, None)
         R.serve(workload, ceiling, **kw)
@@ -210,7 +272,8 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     print(f"hit tokens at first admissions (the hit rate's): swakv {stats['hit_tokens']:,}; LRU on its own "
           f"schedule {lru['hit_tokens']:,}")
     print(f"hit tokens at every admission (the floor's account, re-admissions after preemption included): swakv "
-          f"{floor.hits:,}; LRU on swakv's schedule (the floor's shadow) {floor.lru_hits:,}")
+          f"{floor.hits:,}; LRU on swakv's schedule: the floor's shadow {floor.lru_hits:,}, served exactly "
+          f"{both.lru_hits:,}")
     print(f"floor: written off {floor.forgiven:,.0f} tokens; credit at the end {floor.credit:,.0f} (lowest "
           f"{floor.lowest:,.0f}); followed LRU at {floor.lru_admissions}/{floor.admissions} admissions, "
           f"{floor.switches} switches")

@@ -153,8 +153,9 @@ class BlockPool:
             self._compositions.append((group, head.block_id, head.units))
         return head
 
-    def touch(self, blocks) -> int:
-        """Take references on prefix-hit blocks, pulling free ones out of the queue; how many were free."""
+    def touch(self, blocks, shadows: bool = True) -> int:
+        """Take references on prefix-hit blocks, pulling free ones out of the queue; how many were free.
+        ``shadows``: also out of the floor's LRU shadows (False: the coordinator told them LRU's own hit)."""
         revived = 0
         for block in blocks:
             if block.block_id == NULL_BLOCK_ID:
@@ -162,7 +163,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if not block.pinned and block.block_id > 0:   # pinned (a copy in flight) or on host only
                     # (``host_tier.HostRef``, id -1): not in the free queue
-                    self.free.remove(block)
+                    self.free.remove(block, shadows)
                 revived += 1
             block.ref_cnt += 1
             block.shared = True

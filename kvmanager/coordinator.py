@@ -155,11 +155,12 @@ class GroupCoordinator:
                 if need > self.pool.num_free_blocks:
                     return None
                 pressed = self.pool.tier is not None   # the drop must free what it counted on: no stores
-            if quiet is None and request.lru_hit >= 0:
-                self._admitted(request, num_computed - request.num_computed_tokens)
+            admitted = quiet is None and request.lru_hit >= 0
+            if admitted:                # the shadows learn what each LRU's own hit takes
+                self._admitted(request, num_computed - request.num_computed_tokens, hit)
             if has_hit:
                 for g, blocks in zip(groups, hit):
-                    g.num_held += self.pool.touch(blocks)
+                    g.num_held += self.pool.touch(blocks, shadows=not admitted)
                 if self.pool.tier is not None:     # host-only entries: fresh device blocks, loads
                     hit = self.pool.tier.materialize(request, hit)
         if pressed:
@@ -244,17 +245,15 @@ class GroupCoordinator:
         self.quiet[rid] = (request, slots, cacheable if cacheable < cap else cap, computed, changed)
         return tuple(out)
 
-    def _admitted(self, request: Request, hit: int) -> None:
-        """Tell the floor what this admission got and what each LRU would have, and where each LRU's pool
-        and the real one part: with a longer hit, LRU's pool takes its hit's blocks back and never computes,
-        so never frees, the blocks below its window; with a shorter one, it computes them and its window drops
-        them (into the dense LRU; the sparse one keeps no such interior).
-
-        The real hit's own blocks below LRU's window are left out of ``skip``: LRU's pool never took them,
-        but the real one did (``taken`` drops them from the shadow), so their later free puts them back at
-        the shadow's young end. Older in LRU's true order, so this errs on LRU's side, as the floor's
-        promise wants; skipped, they were lost to the shadow for good, and with them a RAG trace's shared
-        system prompt (docs/retention-rounds.md, eleventh round)."""
+    def _admitted(self, request: Request, hit: int, blocks: tuple[list[Block], ...]) -> None:
+        """Tell the floor what this admission got and what each LRU would have, and keep each shadow what
+        that LRU's pool holds after it. LRU's hit takes its own blocks back (the oldest free copy of each);
+        blocks the real hit took and LRU's did not stay where they wait in LRU's order, and the real pool's
+        later free of those below LRU's window, and of those it computes there, is not LRU's (``skip``).
+        With a shorter hit, LRU computes what the real hit took, and its window drops the blocks below the
+        real hit's window as it goes, from the window's edge backwards (into the dense LRU; the sparse one
+        keeps no such interior). Until the thirty-third round the shadows took whatever the real hit took,
+        and LRU's free copies of an edit's window vanished from them (docs/retention-rounds.md)."""
         free = self.pool.free
         floor = free.floor
         lru_hit, sparse_hit, request.lru_hit, request.sparse_hit = request.lru_hit, request.sparse_hit, -1, -1
@@ -265,21 +264,24 @@ class GroupCoordinator:
         if lru_hit > hit:       # dense LRU's only (the sparse one's too held the floor on dense LRU where it
             free.lost_to_lru()  # thrashes: docs/retention-rounds.md, eighteenth round)
         for shadow, other in ((floor.dense, lru_hit), (floor.sparse, sparse_hit)):
-            if shadow is None or other == hit:
+            if shadow is None:
                 continue
             for g in self.groups:
                 bs, first = g.block_size, g.spec.first_needed_token
                 hashes = request.block_hashes(bs, max(hit, other) // bs)
                 gid = g.group_id
+                for x in hashes[first(other) // bs:other // bs]:
+                    shadow.taken((gid, x))
                 if other > hit:
-                    for x in hashes[max(hit, first(other)) // bs:other // bs]:
-                        shadow.taken((gid, x))
-                        if shadow is floor.dense:
+                    if shadow is floor.dense:
+                        for x in hashes[max(hit, first(other)) // bs:other // bs]:
                             free.lost_block((gid, x))
-                    for x in hashes[hit // bs:first(other) // bs]:
-                        shadow.skip((gid, x), free.num_free_units + 16)
-                elif shadow is floor.dense:     # the sparse LRU never keeps such dropped interiors
-                    for x in hashes[first(other) // bs:first(hit) // bs]:
+                    held = blocks[gid] if blocks else ()
+                    for i in range(first(hit) // bs, first(other) // bs):
+                        if i >= len(held) or not held[i].ref_cnt:     # shared ones are freed for LRU too
+                            shadow.skip((gid, hashes[i]), free.num_free_units + 16)
+                elif other < hit and shadow is floor.dense:     # the sparse LRU keeps no dropped interiors
+                    for x in reversed(hashes[first(other) // bs:first(hit) // bs]):
                         shadow.freed((gid, x), g.width)
         floor.trim(free.lru_units)
 

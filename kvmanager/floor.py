@@ -77,43 +77,57 @@ all hold everything).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose to LRU before it takes over
 
 
 class Shadow:
-    """What a pool of the same size would hold free had it evicted in plain LRU order: ``(group, hash)`` ->
-    the block's units, oldest first."""
+    """What a pool of the same size would hold free had it evicted in plain LRU order, oldest first: an entry
+    per free copy of a ``(group, hash)``. A content is computed again while an old copy of it waits where a
+    hit could not use it (a sliding hit needs the whole window below its end), and each copy takes a block
+    of LRU's pool until LRU evicts that copy; the content leaves with its last one."""
 
-    __slots__ = ("blocks", "units", "ignore", "on_leave")
+    __slots__ = ("blocks", "copies", "units", "ignore", "on_leave", "_serial")
 
     def __init__(self):
-        self.blocks: OrderedDict[tuple[int, bytes], int] = OrderedDict()
-        self.units = 0              # units its blocks take
+        # a free copy's units: ``(group, hash)`` names one copy of a content, ``(group, hash, n)`` any other
+        self.blocks: OrderedDict[tuple, int] = OrderedDict()
+        self.copies: dict[tuple[int, bytes], deque] = {}    # a content's other free copies, oldest first
+        self.units = 0              # units its copies take
         self.ignore: OrderedDict[tuple[int, bytes], None] = OrderedDict()   # frees this LRU would not see
         self.on_leave = lambda key: None   # told each key that leaves it
+        self._serial = 0
 
     def __contains__(self, key: tuple[int, bytes]) -> bool:
-        return key in self.blocks
+        return key in self.blocks or (bool(self.copies) and key in self.copies)
 
     def freed(self, key: tuple[int, bytes], units: int) -> bool:
         """A cached block no one holds any more joins the back; False if this LRU's pool never held it."""
         if self.ignore and self.ignore.pop(key, 0) is None:
             return False
         blocks = self.blocks
-        if key in blocks:           # a second copy of content already free
-            blocks.move_to_end(key)
+        if key in blocks or key in self.copies:     # another copy of content already free
+            self._serial += 1
+            blocks[key + (self._serial,)] = units
+            self.copies.setdefault(key, deque()).append(self._serial)
         else:
             blocks[key] = units
-            self.units += units
+        self.units += units
         return True
 
     def taken(self, key: tuple[int, bytes]) -> None:
-        """A hit took the block back: this LRU's pool holds it (a free copy in the real pool is redundant)."""
+        """A hit took a copy back (the oldest): this LRU's pool holds it; other free copies stay."""
         units = self.blocks.pop(key, 0)
-        if units:
-            self.units -= units
+        if not units:
+            serials = self.copies.get(key)
+            if not serials:
+                return
+            units = self.blocks.pop(key + (serials.popleft(),))
+            if not serials:
+                del self.copies[key]
+        self.units -= units
+        if key not in self.copies and key not in self.blocks:
             self.on_leave(key)
 
     def skip(self, key: tuple[int, bytes], cap: int) -> None:
@@ -126,16 +140,30 @@ class Shadow:
     def trim(self, capacity: int) -> bool:
         """Both pools hold the same blocks for running requests, so this LRU's free cached blocks fit in the
         units the real pool's free cached blocks take: the front goes until they do. True if any went."""
-        blocks = self.blocks
+        blocks, copies = self.blocks, self.copies
         gone = self.units > capacity
         while self.units > capacity:
-            key, units = blocks.popitem(last=False)
+            entry, units = blocks.popitem(last=False)
             self.units -= units
+            if len(entry) == 3:         # the oldest of a content's other copies
+                key = entry[:2]
+                serials = copies[key]
+                serials.popleft()
+                if serials:
+                    continue
+                del copies[key]
+                if key in blocks:
+                    continue
+            elif entry in copies:
+                continue
+            else:
+                key = entry
             self.on_leave(key)
         return gone
 
     def reset(self) -> None:
         self.blocks.clear()
+        self.copies.clear()
         self.ignore.clear()
         self.units = 0
 

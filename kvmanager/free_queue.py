@@ -396,7 +396,7 @@ class FreeQueue:
         for unit in reversed(units):
             self._push(unit, empty, front=True)
 
-    def remove(self, block) -> None:
+    def remove(self, block, shadows: bool = True) -> None:
         """A prefix hit takes a free block back. A hit on a tier-3 batch teaches the reuse distance; one on
         a block a claim was made for (tier 1's, 2's, an answer's), that the claim was wrong."""
         b = block.bin
@@ -427,7 +427,8 @@ class FreeQueue:
                 self.floor.tiers_vs_lru(-1)
         self._unlink(block)
         if block.block_hash is not None:
-            self.floor.taken((block.group, block.block_hash))
+            if shadows:
+                self.floor.taken((block.group, block.block_hash))
             self.floor.trim(self.lru_units)
 
     def watch_sparse(self) -> None:
@@ -446,10 +447,12 @@ class FreeQueue:
             if block.ref_cnt or block.block_hash is None:
                 continue
             key, units = (block.group, block.block_hash), self._units_of_kind[block.kind]
-            self._lru_push(block, self._lru_in if dense.freed(key, units) else self._lru_out)
+            dense.freed(key, units)     # a free LRU would not see may still be content it holds (an old copy)
+            self._lru_push(block, self._lru_in if key in dense else self._lru_out)
             if sparse is not None:
-                inside = block.claim != UNREACHABLE and sparse.freed(key, units)
-                self._sparse_push(block, self._sparse_in if inside else self._sparse_out)
+                if block.claim != UNREACHABLE:
+                    sparse.freed(key, units)
+                self._sparse_push(block, self._sparse_in if key in sparse else self._sparse_out)
         floor.trim(self.lru_units)
 
     @property

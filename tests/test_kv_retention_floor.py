@@ -291,13 +291,29 @@ def test_the_shadow_keeps_what_fits_in_the_real_pools_free_cached_units_evicting
     f.on_leave = left.append
     for i in range(5):
         assert f.freed((0, b"h%d" % i), 1)
-    f.freed((0, b"h1"), 1)                # freed again: to the back
-    assert f.trim(3)
-    assert left == [(0, b"h0"), (0, b"h2")] and list(f.blocks) == [(0, b"h3"), (0, b"h4"), (0, b"h1")]
+    f.freed((0, b"h1"), 1)                # a second free copy (computed again): a unit of its own, at the back
+    assert f.units == 6
+    assert f.trim(3)                      # h0, h1's older copy and h2 go; h1 stays in its younger copy
+    assert left == [(0, b"h0"), (0, b"h2")] and f.units == 3 and (0, b"h1") in f
     f.taken((0, b"h4"))                   # a hit took it back: held, not free
     assert f.units == 2 and not f.trim(3)
     f.skip((0, b"x"), cap=8)              # a block only the real pool computes: its free is not LRU's
     assert not f.freed((0, b"x"), 1) and (0, b"x") not in f
+
+
+def test_a_hit_takes_the_shadows_oldest_copy_and_the_content_leaves_with_its_last():
+    f = Shadow()
+    left = []
+    f.on_leave = left.append
+    f.freed((0, b"a"), 1)
+    f.freed((0, b"b"), 1)
+    f.freed((0, b"a"), 1)                 # a's copies: first, third
+    f.taken((0, b"a"))                    # the oldest copy goes back to a request
+    assert (0, b"a") in f and f.units == 2 and left == []
+    assert f.trim(1)                      # b is the oldest now: a's younger copy stays
+    assert left == [(0, b"b")] and (0, b"a") in f
+    f.taken((0, b"a"))
+    assert left == [(0, b"b"), (0, b"a")] and f.units == 0 and (0, b"a") not in f
 
 
 def _chain(q: FreeQueue, parent: bytes, tag: str, first: int, n: int) -> list[Block]:

@@ -59,3 +59,24 @@ def test_nearby_pools_are_nine_evenly_spread_sizes_each_served_as_the_grid_serve
     lru = bench.serve(workload, bench.SimAdapter((None,), 401, "lru"), **kw)["hit_rate"]
     assert rows[4] == (400, lru, swakv)
     assert 0 < lru < 1 and 0 < swakv < 1
+
+
+def test_on_small_edit_traces_the_floors_shadow_counts_what_plain_lru_gets_served_the_same_schedule():
+    # Edit sessions (half the turns cut the history in its second half) on one sliding window, 4 running:
+    # the floor's shadow must estimate LRU's hits on swakv's schedule as the simulated LRU, served that
+    # schedule exactly (``SameSchedule``), gets them. Until the shadow counted a second free copy of a
+    # content (an edit computes a window again while its old copy waits) and left alone the free copies a
+    # longer real hit took but LRU's shorter one did not, it said 2,384, 12,112, 2,368 and 8,160 tokens here
+    import retention as bench
+    from retention_explain import SameSchedule
+    from retention_workloads import edit
+
+    exact = []
+    for seed, sessions, window, pool in ((0, 10, 128, 184), (3, 10, 64, 184), (5, 6, 128, 88), (4, 6, 64, 104)):
+        workload = edit(seed, sessions=sessions, turns=6, first=(100, 400), message=(20, 150), answer=(20, 150))
+        swakv = bench.SwakvAdapter((window,), pool + 1)
+        both = SameSchedule(swakv, bench.SimAdapter((window,), pool + 1, "lru"))
+        bench.serve(workload, both, step_tokens=128, max_running=4)
+        assert swakv.mgr.pool.free.floor.dense_hits == both.lru_hits
+        exact.append(both.lru_hits)
+    assert exact == [7232, 4576, 4704, 10304]
