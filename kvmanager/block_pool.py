@@ -82,8 +82,18 @@ class BlockPool:
         return block_hash in self._cached[group]
 
     def get_cached(self, group: int, block_hash: bytes) -> Block | None:
+        """A block holding ``block_hash``: one a request holds if any (a hit on it takes no free block), else
+        the oldest cached."""
         blocks = self._cached[group].get(block_hash)
-        return next(iter(blocks.values())) if blocks else None
+        if not blocks:
+            return None
+        first = None
+        for block in blocks.values():
+            if block.ref_cnt:
+                return block
+            if first is None:
+                first = block
+        return first
 
     def take(self, n: int, group: int) -> list[Block]:
         """``n`` blocks for ``group``, each forgetting what it cached (callers checked the units suffice)."""

@@ -90,6 +90,21 @@ def test_two_copies_of_a_prefix_either_one_serves_a_hit():
     assert (ids(hit), h) == ([[1, 5]], 4)              # r1's block 0, r2's block 1
 
 
+def test_a_hit_shares_the_copy_a_running_request_holds_and_leaves_the_free_copy_free():
+    mgr = KVCacheManager([FullAttention(block_size=2)], num_blocks=9)             # ids 1..8
+    r1, r2 = Request("r1", [1, 2, 3, 4, 5]), Request("r2", [1, 2, 3, 4, 5])
+    assert run_step(mgr, r1, 5) == ([1, 2, 3],)
+    assert run_step(mgr, r2, 5) == ([4, 5, 6],)        # no lookup: computes its own copy
+    mgr.free(r1)                                       # r1's copy (1, 2) waits free; r2 holds 4, 5
+    assert mgr.num_free_blocks == 5
+    p = Request("p", [1, 2, 3, 4, 9])
+    hit, h = mgr.get_computed_blocks(p)
+    assert (ids(hit), h) == ([[4, 5]], 4)              # r2's held copy, not r1's older free one
+    assert mgr.allocate_slots(p, 1, h, hit) is not None
+    assert mgr.num_free_blocks == 4                    # only p's own last block came from the free pool
+    assert mgr.get_block_ids("p") == ([4, 5, 7],)      # (taking r1's copy left 2 free)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hybrid steps: several groups in one pool
 # ---------------------------------------------------------------------------------------------------------
