@@ -276,7 +276,7 @@ class GroupCoordinator:
                     if shadow is floor.dense:
                         for x in hashes[max(hit, first(other)) // bs:other // bs]:
                             free.lost_block((gid, x))
-                    held = blocks[gid] if blocks else ()
+                    held = blocks[gid]
                     for i in range(first(hit) // bs, first(other) // bs):
                         if i >= len(held) or not held[i].ref_cnt:     # shared ones are freed for LRU too
                             shadow.skip((gid, hashes[i]), free.num_free_units + 16)
