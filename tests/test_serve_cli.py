@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8765
@@ -126,6 +127,23 @@ def test_a_stop_signal_that_lands_inside_ray_get_still_names_its_signal(ray_runt
     assert type(caught) is KeyboardInterrupt and stopped_by == signal.SIGTERM
     assert StopRequested.signal_of(StopRequested(signal.SIGHUP)) == signal.SIGHUP
     assert StopRequested.signal_of(KeyboardInterrupt()) == signal.SIGINT       # nothing took a signal: Ctrl-C
+
+
+def test_a_stop_the_code_it_landed_in_wrapped_is_still_a_stop():
+    # CI (fortieth session): the second Ctrl-C's stop landed while the server imported httpx, inside a class
+    # body's __set_name__, which Python 3.11 re-raises as RuntimeError; the goodbyes ran and it exited 1
+    from cluster.serve.supervisor import StopRequested
+
+    class Landing:
+        def __set_name__(self, owner, name):
+            raise StopRequested(signal.SIGTERM)
+
+    with pytest.raises(BaseException) as caught:
+        type("Task", (), {"stop_time": Landing()})
+    assert isinstance(caught.value, (RuntimeError, StopRequested))   # wrapped on 3.11, as is from 3.12 on
+    assert StopRequested.behind(caught.value)
+    assert not StopRequested.behind(RuntimeError("the engine failed"))
+    assert not StopRequested.behind(None)
 
 
 def test_sleep_factor_is_refused_without_simulated_workers_and_when_negative():

@@ -22,7 +22,7 @@ from cluster.ray.launch import engine_names, init_ray, kill_engines, shutdown_en
 from .edge import GRACEFUL_S, HTTPEdge, bind
 from .openai import DEFAULT_MAX_BODY_BYTES
 from .ray_serve import build_app, run
-from .supervisor import goodbye_deadline, raise_on_stop
+from .supervisor import StopRequested, goodbye_deadline, raise_on_stop
 
 FRONTENDS = ("direct", "serve")
 EDGE_ACTOR_NAME = "swakv-http"
@@ -155,6 +155,11 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
             time.sleep(3600)
     except KeyboardInterrupt:        # StopRequested
         print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
+        return 0
+    except Exception as exc:
+        if not StopRequested.behind(exc):
+            raise
+        print("\nswakv: shutting down ...", file=sys.stderr, flush=True)   # a stop, wrapped on its way out
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # also when start-up itself failed
