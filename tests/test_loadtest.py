@@ -557,3 +557,23 @@ def test_a_stop_signal_to_a_running_load_tests_process_group_stops_it_with_one_l
     assert f"swakv loadtest: stopped by {sig.name}; its Ray cluster is torn down" in err
     assert "Traceback" not in err
     assert ray_processes_left(before) == []
+
+
+def test_a_stop_the_code_it_landed_in_rewrapped_ends_a_load_test_as_a_stop_not_as_a_failure():
+    # a stop landing in a class body's __set_name__ comes out of Python 3.11 as a RuntimeError caused by it;
+    # the load test caught RuntimeError first and said "failed", status 1, for an operator's Ctrl-C
+    from cluster.loadtest.cli import ending_of
+    from cluster.serve.supervisor import StopRequested
+
+    try:
+        try:
+            raise StopRequested(signal.SIGTERM)
+        except StopRequested as stop:
+            raise RuntimeError("Error calling __set_name__ on 'Landing' instance 'stop_time' in 'Task'") from stop
+    except RuntimeError as exc:
+        wrapped = exc
+    assert ending_of(wrapped) == ("stopped by SIGTERM; its Ray cluster is torn down", 128 + 15)
+    assert ending_of(StopRequested(signal.SIGINT)) == ("stopped by SIGINT; its Ray cluster is torn down", 128 + 2)
+    assert ending_of(RuntimeError("engine 1 never became ready")) == ("failed: engine 1 never became ready", 1)
+    assert ending_of(ValueError("--rate must be > 0")) == ("error: --rate must be > 0", 2)
+    assert ending_of(MemoryError()) is None      # anything else is raised as it is

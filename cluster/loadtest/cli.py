@@ -65,6 +65,21 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
+def ending_of(exc: BaseException) -> tuple[str, int] | None:
+    """The line and exit status for what ended a load test early, or None for an exception to raise. A stop
+    signal first, also one the code it landed in re-raised as another exception (the cluster went down on
+    the way here either way); then bad input; then a cluster that could not do its part (torn down too)."""
+    stop = StopRequested.behind(exc)
+    if stop is not None or isinstance(exc, KeyboardInterrupt):
+        signum = StopRequested.signal_of(stop or exc)
+        return f"stopped by {signal.Signals(signum).name}; its Ray cluster is torn down", 128 + signum
+    if isinstance(exc, (ValueError, TypeError)):
+        return f"error: {exc}", 2
+    if isinstance(exc, RuntimeError):
+        return f"failed: {exc}", 1
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     # The load test runs in a child in a session of its own (cluster/serve/supervisor.py), so a signal to the
     # terminal's or a service manager's process group reaches the supervisor alone, which passes it on: Ray's
@@ -83,17 +98,12 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with _stdout_to_stderr():
             report = run_loadtest(cfg)
-    except (ValueError, TypeError) as exc:
-        print(f"swakv loadtest: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:   # the cluster could not do its part; it has been torn down
-        print(f"swakv loadtest: failed: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as exc:   # a stop signal: the cluster went down on the way here
-        signum = StopRequested.signal_of(exc)
-        print(f"swakv loadtest: stopped by {signal.Signals(signum).name}; its Ray cluster is torn down",
-              file=sys.stderr)
-        return 128 + signum
+    except BaseException as exc:
+        ending = ending_of(exc)
+        if ending is None:
+            raise
+        print(f"swakv loadtest: {ending[0]}", file=sys.stderr)
+        return ending[1]
     finally:
         for signum, handler in replaced.items():
             signal.signal(signum, handler)

@@ -153,13 +153,10 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
               + "Ctrl-C stops it.", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:        # StopRequested
-        print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
-        return 0
-    except Exception as exc:
-        if not StopRequested.behind(exc):
+    except BaseException as exc:     # a stop: as raised, or wrapped by the code it landed in
+        if not (isinstance(exc, KeyboardInterrupt) or StopRequested.behind(exc)):
             raise
-        print("\nswakv: shutting down ...", file=sys.stderr, flush=True)   # a stop, wrapped on its way out
+        print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # also when start-up itself failed

@@ -94,17 +94,17 @@ class StopRequested(KeyboardInterrupt):
         return getattr(exc, "signum", None) or cls.received or signal.SIGINT
 
     @staticmethod
-    def behind(exc: BaseException | None) -> bool:
-        """Whether ``exc`` is a stop or came of one: the code the handler's raise lands in may wrap what it
+    def behind(exc: BaseException | None) -> "StopRequested | None":
+        """The stop ``exc`` is or came of, else None: the code the handler's raise lands in may wrap what it
         catches (on Python 3.11 a class body's ``__set_name__`` re-raises it as ``RuntimeError``, and the stop
         landed there while the server imported httpx: CI, a clean stop that exited 1)."""
         seen: set[int] = set()
         while exc is not None and id(exc) not in seen:
             if isinstance(exc, StopRequested):
-                return True
+                return exc
             seen.add(id(exc))
             exc = exc.__cause__ or exc.__context__
-        return False
+        return None
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
