@@ -69,9 +69,8 @@ def ending_of(exc: BaseException) -> tuple[str, int] | None:
     """The line and exit status for what ended a load test early, or None for an exception to raise. A stop
     signal first, also one the code it landed in re-raised as another exception (the cluster went down on
     the way here either way); then bad input; then a cluster that could not do its part (torn down too)."""
-    stop = StopRequested.behind(exc)
-    if stop is not None or isinstance(exc, KeyboardInterrupt):
-        signum = StopRequested.signal_of(stop or exc)
+    signum = StopRequested.signal_behind(exc)
+    if signum is not None:
         return f"stopped by {signal.Signals(signum).name}; its Ray cluster is torn down", 128 + signum
     if isinstance(exc, (ValueError, TypeError)):
         return f"error: {exc}", 2

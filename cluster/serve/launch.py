@@ -154,7 +154,7 @@ def serve_forever(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000
         while True:
             time.sleep(3600)
     except BaseException as exc:     # a stop: as raised, or wrapped by the code it landed in
-        if not (isinstance(exc, KeyboardInterrupt) or StopRequested.behind(exc)):
+        if StopRequested.signal_behind(exc) is None:
             raise
         print("\nswakv: shutting down ...", file=sys.stderr, flush=True)
         return 0

@@ -106,6 +106,15 @@ class StopRequested(KeyboardInterrupt):
             exc = exc.__cause__ or exc.__context__
         return None
 
+    @classmethod
+    def signal_behind(cls, exc: BaseException | None) -> int | None:
+        """The signal that stopped what raised ``exc``: of a stop it is or came of (``behind``), or of a plain
+        ``KeyboardInterrupt`` (``signal_of``); None when ``exc`` is no stop."""
+        stop = cls.behind(exc)
+        if stop is None and not isinstance(exc, KeyboardInterrupt):
+            return None
+        return cls.signal_of(stop or exc)
+
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
