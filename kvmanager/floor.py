@@ -45,7 +45,22 @@ admissions as the tiers' last stretch", almost never fired where hit rates grow 
 sessions warming up kept the floor on LRU for good after one transient dip, 0.595 against the tiers'
 0.706 alone; docs/design.md, Retention.)
 
-**The bound.** ``min(cap, .)`` only lowers the credit, so summing gives, after any ``n`` admissions,
+A **streak** hands the order to LRU sooner, for a while. The credit is long memory, and a loss shows only
+once an admission needs what the tiers evicted: where their guesses turn wrong all at once (an edit or phase
+trace's sessions moving on together) a surplus lets them lose it and more before LRU takes over. So ``STREAK``
+admissions in a row served by the tiers' order that hit less than both LRUs (a win over the reference resets
+the count; a loss to the reference alone is its lag, the lead's business), while the credit is below the
+**exposure** (``exposed``, from the free queue: the tokens of content the reference holds free and the real
+pool does not, about the most the tiers can still lose to it), set the credit to -1 and hold the rest back.
+It is given back at the tiers' next win over the reference, or once the real pool has evicted as many tokens
+as were exposed (by then what LRU held and the real pool did not has been reused or lost either way),
+whichever comes first; until then LRU's order follows unless the evidence writes the deficit off. A passing
+dip costs the tiers a few admissions in LRU's order, not their surplus: holding it back for good, for a whole
+pool's turnover or until a win alone lost phase and rag cells of the unseen grid that the tiers were winning
+(docs/retention-rounds.md, thirty-sixth and thirty-seventh rounds).
+
+**The bound.** ``min(cap, .)`` only lowers the credit and a streak gives back no more than it held back,
+so summing gives, after any ``n`` admissions,
 
     sum h_i >= sum l_i - SLACK * sum P_i - forgiven - overshoot_n,      overshoot_n = max(0, -credit_n)
 
@@ -80,6 +95,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose to LRU before it takes over
+STREAK = 3           # admissions in a row lost to both LRUs that hand the order to LRU while the credit is short
 
 
 class Shadow:
@@ -172,7 +188,8 @@ class Floor:
     __slots__ = ("dense", "sparse", "lead", "credit", "cap", "slack", "follow_lru", "evicted",
                  "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
                  "evidence", "block", "forgiven", "sparse_admissions", "changes", "changed_by",
-                 "dense_hits", "sparse_hits", "on_sparse")
+                 "dense_hits", "sparse_hits", "on_sparse", "streak", "streaks", "held_back", "give_back_at",
+                 "exposed", "evicted_tokens")
 
     def __init__(self, cap: int = 0, slack: float = SLACK):
         self.dense = Shadow()       # plain LRU over every cached block freed
@@ -193,6 +210,12 @@ class Floor:
         self.changes = 0                # admissions at which the reference changed
         self.changed_by = 0             # the sum of |s_j - d_j| over them (what the reference may cost)
         self.dense_hits = self.sparse_hits = 0   # each LRU's hits, summed
+        self.streak = 0                 # admissions in a row the tiers' order lost to both LRUs
+        self.streaks = 0                # turns a streak ended
+        self.held_back = 0.0            # the credit the last streak set aside
+        self.give_back_at = None        # ... until a win or the real pool's evicted tokens reach this
+        self.exposed = lambda: 0        # the free queue's: tokens the reference holds free, the real pool not
+        self.evicted_tokens = lambda: 0     # the free queue's: tokens of cached content evicted so far
 
     @property
     def reference(self) -> Shadow:
@@ -244,6 +267,20 @@ class Floor:
         if self.follow_lru and credit < 0 and self.evidence >= -credit:
             self.forgiven -= credit     # the tiers would have made up the deficit: another try
             credit = 0.0
+        if self.give_back_at is not None and (hit > ref or self.evicted_tokens() >= self.give_back_at):
+            credit = min(self.cap, credit + self.held_back)
+            self.give_back_at = None
+        if hit > ref or self.follow_lru:
+            self.streak = 0
+        elif hit < (ref if sparse_hit < 0 else min(lru_hit, sparse_hit)):
+            self.streak += 1
+            exposed = self.exposed()
+            if self.streak >= STREAK and 0 <= credit < exposed:
+                self.held_back = credit + 1         # a turn of the workload: LRU's order for a while
+                self.give_back_at = self.evicted_tokens() + exposed
+                credit = -1.0
+                self.streak = 0
+                self.streaks += 1
         self.credit = credit
         follow = credit < 0
         if follow != self.follow_lru:
@@ -261,4 +298,4 @@ class Floor:
                 "switches": self.switches, "hits": self.hits, "lru_hits": self.lru_hits,
                 "prompt_tokens": self.prompt_tokens, "credit": round(self.credit), "lowest": round(self.lowest),
                 "forgiven": round(self.forgiven), "sparse_share": self.sparse_admissions / max(1, self.admissions),
-                "changes": self.changes, "changed_by": self.changed_by}
+                "changes": self.changes, "changed_by": self.changed_by, "streaks": self.streaks}

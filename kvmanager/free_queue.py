@@ -183,6 +183,8 @@ class FreeQueue:
         self._cached = cached if cached is not None else []     # the pool's: (group, hash) -> blocks
         self.floor = Floor(cap_tokens)
         self.floor.dense.on_leave = self._left_dense
+        self.floor.exposed = self._exposed
+        self.floor.evicted_tokens = self._evicted_tokens
         self._chains: OrderedDict[int, Bin] = OrderedDict()   # release batches, oldest first
         self._quick: OrderedDict[int, Bin] = OrderedDict()    # chains whose last reuse LRU would have served
         self._proven: OrderedDict[int, Bin] = OrderedDict()
@@ -480,6 +482,16 @@ class FreeQueue:
         del (b.loose if block.kind < 0 else b.composites[block.kind])[block.block_id]
         b.units -= self._units_of_kind[block.kind]
         block.lru_sparse = None
+
+    def _exposed(self) -> int:
+        """Tokens of content the floor's reference LRU holds free and the real pool does not: at most what the
+        tiers can still lose to it before the real pool holds what LRU would."""
+        floor = self.floor
+        shadow, held = (floor.sparse, self._sparse_in) if floor.on_sparse else (floor.dense, self._lru_in)
+        return (shadow.units - held.units) * floor.block // sum(self.widths)
+
+    def _evicted_tokens(self) -> int:
+        return self._evicted * self.floor.block // sum(self.widths)
 
     def _left_dense(self, key: tuple[int, bytes]) -> None:
         """Plain LRU no longer holds this content: the real free copies of it go out of its order."""

@@ -18,7 +18,8 @@ import pytest
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager import free_queue
 from kvmanager.block_pool import Block
-from kvmanager.floor import SLACK, Floor, Shadow
+from kvmanager import floor as floor_module
+from kvmanager.floor import SLACK, STREAK, Floor, Shadow
 from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
@@ -146,6 +147,111 @@ def test_the_credit_follows_lru_below_zero_gains_slack_per_prompt_token_and_is_c
     assert (f.credit, f.follow_lru, f.switches, f.forgiven) == (0.0, False, 2, 0)
     f.admitted(5000, 0, 1000)             # a large win is kept only up to the cap
     assert f.credit == 1000
+
+
+def streaked_floor():
+    """A floor whose tiers lost three admissions in a row to both LRUs with a credit of 478 below an exposure
+    of 600 tokens: LRU's order, 479 held back until the real pool has evicted 600 tokens more."""
+    f = Floor(cap=1000)
+    evicted = [0]
+    f.exposed = lambda: 600
+    f.evicted_tokens = lambda: evicted[0]
+    f.admitted(500, 0, 1000)              # a win: credit 502
+    for _ in range(3):
+        f.admitted(0, 10, 1000)
+    assert (f.credit, f.follow_lru, f.held_back, f.give_back_at, f.streaks) == (-1.0, True, 479.0, 600, 1)
+    return f, evicted
+
+
+def test_three_losses_to_lru_with_no_win_between_hand_the_order_to_lru_while_the_credit_is_below_the_exposure():
+    assert STREAK == 3
+    f = Floor(cap=1000)
+    exposed = [600]                       # tokens LRU holds free that the real pool does not
+    f.exposed = lambda: exposed[0]
+    f.admitted(500, 0, 1000)              # a win: credit 502
+    f.admitted(0, 10, 1000)               # a loss (494), a tie (496: ties neither count nor reset), a loss
+    f.admitted(20, 20, 1000)
+    f.admitted(0, 10, 1000)
+    assert (f.credit, f.follow_lru, f.streak) == (488.0, False, 2)
+    f.admitted(30, 10, 1000)              # a win: the count starts again (510)
+    f.admitted(0, 10, 1000)
+    f.admitted(0, 10, 1000)
+    assert (f.credit, f.follow_lru, f.streak) == (494.0, False, 2)
+    exposed[0] = 400                      # the credit covers what LRU holds and the real pool lacks:
+    f.admitted(0, 10, 1000)               # the third loss leaves the order to the credit (486)
+    assert (f.credit, f.follow_lru, f.streaks) == (486.0, False, 0)
+    exposed[0] = 600
+    f.admitted(0, 10, 1000)               # the fourth, with more exposed than the credit: LRU's order
+    assert (f.credit, f.follow_lru, f.switches, f.streaks, f.held_back) == (-1.0, True, 1, 1, 479.0)
+    for _ in range(3):                    # losses on admissions LRU's order served do not count
+        f.admitted(0, 10, 1000)
+    assert (f.credit, f.follow_lru, f.streak) == (-25.0, True, 0)
+
+
+def test_after_a_streak_with_no_win_the_held_back_credit_comes_back_once_the_real_pool_evicted_the_exposures_tokens():
+    f, evicted = streaked_floor()
+    f.admitted(0, 10, 1000)               # -9: LRU's order, nothing given back before 600 tokens evicted
+    evicted[0] = 599
+    f.admitted(10, 10, 1000)
+    assert (f.credit, f.follow_lru) == (-7.0, True)
+    evicted[0] = 600                      # -5 + 479: the tiers' order, the surplus they had earned
+    f.admitted(10, 10, 1000)
+    assert (f.credit, f.follow_lru, f.switches, f.forgiven, f.give_back_at) == (474.0, False, 2, 0.0, None)
+
+
+def test_after_a_streak_the_tiers_next_win_gives_the_held_back_credit_back_at_once():
+    f, evicted = streaked_floor()
+    f.admitted(0, 10, 1000)               # -9: LRU's order
+    f.admitted(30, 10, 1000)              # a win (the real pool still holds what the tiers kept): 13 + 479
+    assert (f.credit, f.follow_lru, f.switches, f.give_back_at) == (492.0, False, 2, None)
+
+
+def test_after_a_streak_the_evidence_may_bring_the_tiers_back_first_and_the_surplus_follows_at_the_turnover():
+    f, evicted = streaked_floor()
+    f.tiers_vs_lru(1)                     # 16 tokens of evidence cover the deficit of 9: another try at 0
+    f.admitted(0, 10, 1000)
+    assert (f.credit, f.follow_lru, f.forgiven) == (0.0, False, 9.0)
+    f.admitted(10, 10, 1000)              # a tie: 2
+    evicted[0] = 700
+    f.admitted(10, 10, 1000)              # 2 + 2 + 479
+    assert (f.credit, f.follow_lru, f.give_back_at) == (483.0, False, None)
+
+
+def test_a_streak_counts_only_admissions_lost_to_both_lrus():
+    f = Floor(cap=1000)
+    f.sparse = Shadow()
+    f.exposed = lambda: 10 ** 6
+    f.admitted(500, 0, 1000, 0)           # credit 502, the dense LRU the reference
+    for _ in range(3):                    # behind dense LRU, level with the sparse one: the reference's
+        f.admitted(0, 10, 1000, 0)        # lag (the lead), not a turn of the workload
+    assert (f.credit, f.follow_lru, f.streak) == (478.0, False, 0)
+    for _ in range(3):                    # behind both
+        f.admitted(0, 10, 1000, 5)
+    assert (f.credit, f.follow_lru, f.streaks) == (-1.0, True, 1)
+
+
+def test_on_a_phase_trace_a_streak_hands_the_turn_to_lru_in_time_and_gives_the_surplus_back(monkeypatch):
+    # gemma-3-27b's layout (five sliding groups of W 1024 to one full), 3,002 blocks a group, 2 running,
+    # chunk 128: the --unseen grid's phase cell of seed 103, draw 1. The tiers lead the floor's shadow by
+    # 19,377 tokens when the phase turns; with the credit alone they lose it and more before LRU takes over,
+    # ending 9,824 hit tokens below the simulated LRU on its own schedule (255,776 against 265,600). Three
+    # losses in a row, with more exposed than the credit, hand the order to LRU at once, and the surplus given
+    # back once the exposure has turned over brings the tiers back for the next phase: 270,832, above LRU.
+    import retention as bench
+
+    d = bench.draw_settings(103, 2, True)[1]
+    windows = bench.windows_of("gemma3", d.window)
+    assert (windows, d.concurrency, d.chunk) == ((1024,) * 5 + (None,), 2, 128)
+    workload = bench.workload_of(d, "phase")[0]
+
+    def hits(adapter):
+        st = bench.serve(workload, adapter, step_tokens=d.chunk, max_running=d.concurrency)
+        return st["hit_tokens"], st["prompt_tokens"]
+    assert hits(bench.SimAdapter(windows, 3002 * 6 + 1, "lru")) == (265600, 485194)
+    swakv = bench.SwakvAdapter(windows, 3002 * 6 + 1, units=bench.UNITS["gemma3"])
+    assert hits(swakv)[0] == 270832 and swakv.mgr.pool.free.floor.streaks == 1
+    monkeypatch.setattr(floor_module, "STREAK", 10 ** 9)      # no streak: the credit alone
+    assert hits(bench.SwakvAdapter(windows, 3002 * 6 + 1, units=bench.UNITS["gemma3"]))[0] == 255776
 
 
 def test_below_zero_the_tiers_get_another_try_once_the_evidence_covers_the_deficit():
