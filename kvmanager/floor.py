@@ -211,7 +211,7 @@ class Floor:
         self.changed_by = 0             # the sum of |s_j - d_j| over them (what the reference may cost)
         self.dense_hits = self.sparse_hits = 0   # each LRU's hits, summed
         self.streak = 0                 # admissions in a row the tiers' order lost to both LRUs
-        self.streaks = 0                # turns a streak ended
+        self.streaks = 0                # times a streak handed the order to LRU
         self.held_back = 0.0            # the credit the last streak set aside
         self.give_back_at = None        # ... until a win or the real pool's evicted tokens reach this
         self.exposed = lambda: 0        # the free queue's: tokens the reference holds free, the real pool not
