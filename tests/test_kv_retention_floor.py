@@ -232,8 +232,8 @@ def test_a_streak_counts_only_admissions_lost_to_both_lrus():
 
 def test_on_a_phase_trace_a_streak_hands_the_turn_to_lru_in_time_and_gives_the_surplus_back(monkeypatch):
     # gemma-3-27b's layout (five sliding groups of W 1024 to one full), 3,002 blocks a group, 2 running,
-    # chunk 128: the --unseen grid's phase cell of seed 103, draw 1. The tiers lead the floor's shadow by
-    # 19,377 tokens when the phase turns; with the credit alone they lose it and more before LRU takes over,
+    # chunk 128: the --unseen grid's phase cell of seed 103, draw 1. The credit stands at 19,377 tokens when
+    # the phase turns; with the credit alone the tiers lose it and more before LRU takes over,
     # ending 9,824 hit tokens below the simulated LRU on its own schedule (255,776 against 265,600). Three
     # losses in a row, with more exposed than the credit, hand the order to LRU at once, and the surplus given
     # back once the exposure has turned over brings the tiers back for the next phase: 270,832, above LRU.
