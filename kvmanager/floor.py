@@ -274,8 +274,7 @@ class Floor:
             self.streak = 0
         elif hit < (ref if sparse_hit < 0 else min(lru_hit, sparse_hit)):
             self.streak += 1
-            exposed = self.exposed()
-            if self.streak >= STREAK and 0 <= credit < exposed:
+            if self.streak >= STREAK and 0 <= credit < (exposed := self.exposed()):
                 self.held_back = credit + 1         # a turn of the workload: LRU's order for a while
                 self.give_back_at = self.evicted_tokens() + exposed
                 credit = -1.0

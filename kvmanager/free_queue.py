@@ -488,10 +488,14 @@ class FreeQueue:
         tiers can still lose to it before the real pool holds what LRU would."""
         floor = self.floor
         shadow, held = (floor.sparse, self._sparse_in) if floor.on_sparse else (floor.dense, self._lru_in)
-        return (shadow.units - held.units) * floor.block // sum(self.widths)
+        return self._tokens(shadow.units - held.units)
 
     def _evicted_tokens(self) -> int:
-        return self._evicted * self.floor.block // sum(self.widths)
+        return self._tokens(self._evicted)
+
+    def _tokens(self, units: int) -> int:
+        """Pool units in tokens of one request's tables, as the floor's cap counts them."""
+        return units * self.floor.block // sum(self.widths)
 
     def _left_dense(self, key: tuple[int, bytes]) -> None:
         """Plain LRU no longer holds this content: the real free copies of it go out of its order."""
