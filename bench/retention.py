@@ -54,6 +54,7 @@ replaced by the simulated LRU (``sim:lru``: vLLM dense's order), and the table s
     python bench/retention.py --seed 1234 --draw 1 --families zipf --layouts hybrid --systems swakv \
         --jsonl mine.jsonl && python bench/retention.py --report-from out.jsonl,mine.jsonl  # one cell again
     python bench/retention.py --report-from a.jsonl,b.jsonl   # two seeds' grids: one report, counts summed
+    python bench/retention.py --report-from a.jsonl,b.jsonl --plot standing.png   # and the counts as a picture
     python bench/retention.py --oracle               # tiny instances against the exhaustive best
     python bench/retention.py --unseen --no-vllm      # settings and workload shapes outside the grid's
 
@@ -68,6 +69,7 @@ best hit rate any policy reaches, next to swakv and simulated LRU. Results: ``be
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -536,9 +538,10 @@ def _fmt(v, width=9, digits=3) -> str:
     return f"{v:>{width}.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>{width}}"
 
 
-def report(rows: list[dict]) -> dict:
+def report(rows: list[dict], plot: str | None = None) -> dict:
     """Every cell side by side, the losing cells, the issue's counts, the gap to the clairvoyant policy; over
-    several seeds' rows, each cell named by its seed too and the counts summed over all of them."""
+    several seeds' rows, each cell named by its seed too and the counts summed over all of them. ``plot``: a
+    PNG of the same counts (``plot_standing``)."""
     # an unseen draw (``--unseen``) is another cell than the same seed's grid draw
     rows = [dict(r, seed=f"{r.get('seed')} unseen") if r.get("unseen") else r for r in rows]
     by = {(r.get("seed"), r["draw"], r["family"], r["layout"], r["pool_per_group"], r["system"]): r for r in rows}
@@ -582,6 +585,7 @@ def report(rows: list[dict]) -> dict:
     fewer_computed = 0
     n_a = 0
     gaps: dict = {}
+    margins, goals = [], []      # (family, swakv - the better baseline); (family, swakv / target, above clairv.)
     for seed, d, f, lay, p in cells:
         sw = by[(seed, d, f, lay, p, "swakv")]
         ceil = by[(seed, d, f, lay, None, "ceiling")]["hit_rate"]
@@ -601,6 +605,7 @@ def report(rows: list[dict]) -> dict:
             errors.append(f"{name(seed, d)} {f}/{lay}/{p}: {sw.get('error') or 'no baseline'}")
             continue
         n_a += 1
+        margins.append((f, sw["hit_rate"] - best))
         t = tally.setdefault((f, lay), [0, 0, 0, 0])
         t[0] += 1
         if sw["hit_rate"] < best - TOLERANCE:
@@ -615,6 +620,7 @@ def report(rows: list[dict]) -> dict:
                           + computed)
         if f in GOAL_FAMILIES and p in sorted(pools_of[(seed, d, f, lay)])[:2]:
             target = min(1.10 * best, ceil)
+            goals.append((f, sw["hit_rate"] / target if target else 1.0, cl is not None and target > cl + 1e-9))
             t[2] += 1
             if sw["hit_rate"] >= target - 1e-9:
                 goal_b += 1
@@ -674,7 +680,51 @@ def report(rows: list[dict]) -> dict:
         for f, g in gaps.items():
             print(f"  {f:<9} swakv {sum(a for a, _ in g) / len(g):>6.3f} / {max(a for a, _ in g):>6.3f}"
                   f"   {bl} {sum(b for _, b in g) / len(g):>6.3f} / {max(b for _, b in g):>6.3f}   ({len(g)} cells)")
+    if plot:
+        plot_standing(margins, goals, plot, f"seed {', '.join(map(str, seeds))}; against the better of {bl}")
+        print(f"\nplot: {plot}")
     return dict(cells=n_a, losing=len(losing), goal_b=goal_b, n_b=n_b)
+
+
+def plot_standing(margins: list, goals: list, path: str, title: str) -> tuple[list, list]:
+    """The two counts of the issue as a picture: every cell's margin over the better baseline (hit-rate points,
+    sorted; the losing cells are the tail left of the tolerance line), and each tight-pool goal cell's hit rate
+    over its target (sorted; hollow where the target is above the clairvoyant heuristic). Returns the two
+    sorted series, as drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colours = dict(zip(FAMILIES, plt.get_cmap("tab10").colors))
+    margins, goals = sorted(margins, key=lambda m: m[1]), sorted(goals, key=lambda g: g[1])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=(3, 2)))
+    for f in FAMILIES:
+        xs = [i for i, m in enumerate(margins) if m[0] == f]
+        if xs:
+            left.scatter(xs, [margins[i][1] for i in xs], s=6, color=colours[f], label=f)
+        for hollow in (False, True):
+            xs = [i for i, g in enumerate(goals) if g[0] == f and g[2] == hollow]
+            if xs:
+                right.scatter(xs, [max(goals[i][1], 0.01) for i in xs], s=12, label=None if hollow else f,
+                              facecolors="none" if hollow else colours[f], edgecolors=colours[f])
+    losing = sum(m < -TOLERANCE for _, m in margins)
+    left.axhline(-TOLERANCE, color="black", lw=0.8, ls="--")
+    left.set_yscale("symlog", linthresh=0.01)
+    left.set(xlabel="cells, sorted", ylabel="swakv - the better baseline (hit rate, symlog)",
+             title=f"every cell: {len(margins) - losing} of {len(margins)} >= the better - {TOLERANCE}")
+    met = sum(g >= 1 - 1e-9 for _, g, _ in goals)
+    right.axhline(1.0, color="black", lw=0.8, ls="--")
+    right.set_yscale("log")
+    right.set(xlabel="goal cells, sorted (hollow: target above the clairvoyant heuristic)",
+              ylabel="swakv / min(1.10 x the better, the ceiling) (log; 0.01 at least)",
+              title=f"two tightest pools, {', '.join(GOAL_FAMILIES)}: {met} of {len(goals)} met")
+    for ax in (left, right):
+        ax.legend(fontsize=8, markerscale=2)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [m for _, m in margins], [g for _, g, _ in goals]
 
 
 # -- the best any eviction policy can do, on tiny instances ----------------------------------------
@@ -801,6 +851,8 @@ def main() -> None:
     ap.add_argument("--jsonl", help="write one JSON line per run here")
     ap.add_argument("--report-from", help="only print the report of earlier --jsonl files (comma-separated; a "
                     "later file's run replaces an earlier one's of the same cell and system)")
+    ap.add_argument("--plot", help="also draw the report's two counts to this PNG (every cell's margin over the "
+                    "better baseline; the tight-pool goal cells against their targets)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--oracle", action="store_true", help="instead of the grid: tiny instances, the best any "
                     "eviction policy reaches (exhaustive search) next to swakv and LRU")
@@ -817,6 +869,11 @@ def main() -> None:
     bad = [s for s in args.systems or () if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}")
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            ap.error("--plot needs matplotlib (pip install matplotlib, or run with the main interpreter)")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+            ap.error(f"--plot: no directory {os.path.dirname(os.path.abspath(args.plot))!r}")
     t0 = time.time()
     if args.oracle:
         rows = run_oracle(args.oracle_seeds)
@@ -834,13 +891,13 @@ def main() -> None:
                         r = json.loads(line)
                         merged[(r.get("seed"), r.get("unseen"), r["draw"], r["family"], r["layout"], r["pool_per_group"],
                                 r["system"])] = r
-        report(list(merged.values()))
+        report(list(merged.values()), args.plot)
         return
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     print(f"seed {args.seed}", file=sys.stderr)
     rows = run_grid(args)
-    report(rows)
+    report(rows, args.plot)
     print(f"\n{len(rows)} runs in {time.time() - t0:.0f} s")
 
 

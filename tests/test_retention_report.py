@@ -4,13 +4,15 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 import retention as bench  # noqa: E402
 
 
-def _rows(pool: int, hits: dict[str, float], computed: dict[str, int], seed: int = 7) -> list[dict]:
-    base = dict(seed=seed, draw=0, family="zipf", layout="sliding", drawn_window=128, window=128, concurrency=4,
+def _rows(pool: int, hits: dict[str, float], computed: dict[str, int], seed: int = 7, family: str = "zipf") -> list[dict]:
+    base = dict(seed=seed, draw=0, family=family, layout="sliding", drawn_window=128, window=128, concurrency=4,
                 chunk=256, workload_seed=1)
     out = [dict(base, system="ceiling", pool_per_group=None, hit_rate=0.9)]
     for system, hit in hits.items():
@@ -83,3 +85,21 @@ def test_an_unseen_draw_is_another_cell_than_the_same_seeds_grid_draw(capsys):
     assert "  zipf: documents 5" in out
     bench.report(unseen)
     assert "(replay: --seed 7 --unseen)" in capsys.readouterr().out
+
+
+def test_the_plot_draws_every_cells_margin_and_each_goal_cells_share_of_its_target_sorted(tmp_path, capsys):
+    """rag at three pools: the two tightest are goal cells (target min(1.10 x the better vLLM, the ceiling 0.9))."""
+    computed = {"swakv": 1000, "vllm-dense": 1000, "vllm-sem": 1000}
+    rows = (_rows(100, {"swakv": 0.30, "vllm-dense": 0.40, "vllm-sem": 0.20}, computed, family="rag")
+            + _rows(200, {"swakv": 0.55, "vllm-dense": 0.50, "vllm-sem": 0.20}, computed, family="rag")
+            + _rows(400, {"swakv": 0.60, "vllm-dense": 0.60, "vllm-sem": 0.20}, computed, family="rag"))
+    path = tmp_path / "standing.png"
+    counts = bench.report(rows, plot=str(path))
+    assert counts == {"cells": 3, "losing": 1, "goal_b": 1, "n_b": 2}
+    assert f"plot: {path}" in capsys.readouterr().out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    margins, goals = bench.plot_standing([("rag", 0.05), ("rag", -0.10), ("rag", 0.0)],
+                                         [("rag", 1.0, False), ("rag", 0.30 / 0.44, True)],
+                                         str(tmp_path / "again.png"), "t")
+    assert margins == [-0.10, 0.0, 0.05]
+    assert goals == [pytest.approx(0.6818, abs=1e-4), 1.0]
