@@ -687,44 +687,45 @@ def report(rows: list[dict], plot: str | None = None) -> dict:
 
 
 def plot_standing(margins: list, goals: list, path: str, title: str) -> tuple[list, list]:
-    """The two counts of the issue as a picture: every cell's margin over the better baseline (hit-rate points,
-    sorted; the losing cells are the tail left of the tolerance line), and each tight-pool goal cell's hit rate
-    over its target (sorted; hollow where the target is above the clairvoyant heuristic). Returns the two
-    sorted series, as drawn."""
+    """The two counts of the issue as a picture, one strip of cells per family: every cell's margin over the
+    better baseline (hit-rate points; the losing cells are those under the tolerance line), and each tight-pool
+    goal cell's hit rate over its target (hollow where the target is above the clairvoyant heuristic). Returns
+    the two series, sorted."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    colours = dict(zip(FAMILIES, plt.get_cmap("tab10").colors))
-    margins, goals = sorted(margins, key=lambda m: m[1]), sorted(goals, key=lambda g: g[1])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=(3, 2)))
-    for f in FAMILIES:
-        xs = [i for i, m in enumerate(margins) if m[0] == f]
-        if xs:
-            left.scatter(xs, [margins[i][1] for i in xs], s=6, color=colours[f], label=f)
-        for hollow in (False, True):
-            xs = [i for i, g in enumerate(goals) if g[0] == f and g[2] == hollow]
-            if xs:
-                right.scatter(xs, [max(goals[i][1], 0.01) for i in xs], s=12, label=None if hollow else f,
-                              facecolors="none" if hollow else colours[f], edgecolors=colours[f])
+    jitter = random.Random(0)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=(7, 3)))
+    panels = ((left, margins, list(FAMILIES), lambda v: v < -TOLERANCE, -TOLERANCE),
+              (right, goals, list(GOAL_FAMILIES), lambda v: v < 1 - 1e-9, 1.0))
+    for ax, points, fams, short, line in panels:
+        for i, f in enumerate(fams):
+            mine, colour = [p for p in points if p[0] == f], f"C{list(FAMILIES).index(f)}"
+            for hollow in (False, True):
+                ys = [p[1] for p in mine if len(p) > 2 and p[2] == hollow or len(p) == 2 and not hollow]
+                xs = [i + jitter.uniform(-0.35, 0.35) for _ in ys]
+                ax.scatter(xs, [max(y, 0.01) if ax is right else y for y in ys], s=7, linewidths=0.6,
+                           facecolors="none" if hollow else colour, edgecolors=colour)
+            ax.annotate(f"{sum(short(p[1]) for p in mine)} of {len(mine)}", (i, 0), xycoords=("data", "axes fraction"),
+                        xytext=(0, 3), textcoords="offset points", ha="center", fontsize=8)
+        ax.axhline(line, color="black", lw=0.8, ls="--")
+        ax.set_xticks(range(len(fams)), fams)
+        ax.grid(alpha=0.3, axis="y")
     losing = sum(m < -TOLERANCE for _, m in margins)
-    left.axhline(-TOLERANCE, color="black", lw=0.8, ls="--")
     left.set_yscale("symlog", linthresh=0.01)
-    left.set(xlabel="cells, sorted", ylabel="swakv - the better baseline (hit rate, symlog)",
-             title=f"every cell: {len(margins) - losing} of {len(margins)} >= the better - {TOLERANCE}")
+    left.set(ylabel="swakv - the better baseline (hit rate, symlog)",
+             title=f"every cell: {len(margins) - losing} of {len(margins)} >= the better - {TOLERANCE} "
+                   "(counts: cells under the line)")
     met = sum(g >= 1 - 1e-9 for _, g, _ in goals)
-    right.axhline(1.0, color="black", lw=0.8, ls="--")
     right.set_yscale("log")
-    right.set(xlabel="goal cells, sorted (hollow: target above the clairvoyant heuristic)",
-              ylabel="swakv / min(1.10 x the better, the ceiling) (log; 0.01 at least)",
-              title=f"two tightest pools, {', '.join(GOAL_FAMILIES)}: {met} of {len(goals)} met")
-    for ax in (left, right):
-        ax.legend(fontsize=8, markerscale=2)
-        ax.grid(alpha=0.3)
+    right.set(ylabel="swakv / min(1.10 x the better, the ceiling)",
+              title=f"two tightest pools: {met} of {len(goals)} met\n(hollow: target above the clairvoyant heuristic)")
+    right.title.set_fontsize(10)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [m for _, m in margins], [g for _, g, _ in goals]
+    return sorted(m for _, m in margins), sorted(g for _, g, _ in goals)
 
 
 # -- the best any eviction policy can do, on tiny instances ----------------------------------------
