@@ -696,13 +696,13 @@ def plot_standing(margins: list, goals: list, path: str, title: str) -> tuple[li
     import matplotlib.pyplot as plt
     jitter = random.Random(0)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=(7, 3)))
-    panels = ((left, margins, list(FAMILIES), lambda v: v < -TOLERANCE, -TOLERANCE),
+    panels = ((left, [(f, m, False) for f, m in margins], list(FAMILIES), lambda v: v < -TOLERANCE, -TOLERANCE),
               (right, goals, list(GOAL_FAMILIES), lambda v: v < 1 - 1e-9, 1.0))
-    for ax, points, fams, short, line in panels:
+    for ax, points, fams, short, line in panels:      # points: (family, value, hollow)
         for i, f in enumerate(fams):
             mine, colour = [p for p in points if p[0] == f], f"C{list(FAMILIES).index(f)}"
             for hollow in (False, True):
-                ys = [p[1] for p in mine if len(p) > 2 and p[2] == hollow or len(p) == 2 and not hollow]
+                ys = [v for _, v, h in mine if h == hollow]
                 xs = [i + jitter.uniform(-0.35, 0.35) for _ in ys]
                 ax.scatter(xs, [max(y, 0.01) if ax is right else y for y in ys], s=7, linewidths=0.6,
                            facecolors="none" if hollow else colour, edgecolors=colour)
@@ -718,7 +718,7 @@ def plot_standing(margins: list, goals: list, path: str, title: str) -> tuple[li
                    "(counts: cells under the line)")
     met = sum(g >= 1 - 1e-9 for _, g, _ in goals)
     right.set_yscale("log")
-    right.set(ylabel="swakv / min(1.10 x the better, the ceiling)",
+    right.set(ylabel="swakv / min(1.10 x the better, the ceiling) (log, 0.01 at least)",
               title=f"two tightest pools: {met} of {len(goals)} met\n(hollow: target above the clairvoyant heuristic)")
     right.title.set_fontsize(10)
     fig.suptitle(title, fontsize=9)
