@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import retention as bench  # noqa: E402
 
 
-def _rows(pool: int, hits: dict[str, float], computed: dict[str, int], seed: int = 7, family: str = "zipf") -> list[dict]:
+def _rows(pool: int, hits: dict[str, float], computed: dict[str, int], seed: int = 7,
+          family: str = "zipf") -> list[dict]:
     base = dict(seed=seed, draw=0, family=family, layout="sliding", drawn_window=128, window=128, concurrency=4,
                 chunk=256, workload_seed=1)
     out = [dict(base, system="ceiling", pool_per_group=None, hit_rate=0.9)]
