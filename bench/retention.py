@@ -871,6 +871,8 @@ def main() -> None:
     if bad:
         ap.error(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}")
     if args.plot:
+        if args.oracle:
+            ap.error("--plot draws the grid's report; --oracle prints no such report")
         if importlib.util.find_spec("matplotlib") is None:
             ap.error("--plot needs matplotlib (pip install matplotlib, or run with the main interpreter)")
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
