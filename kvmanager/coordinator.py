@@ -159,8 +159,12 @@ class GroupCoordinator:
             if admitted:                # the shadows learn what each LRU's own hit takes
                 self._admitted(request, num_computed - request.num_computed_tokens, hit)
             if has_hit:
+                free = self.pool.free
+                free.last_reuse = 0
                 for g, blocks in zip(groups, hit):
                     g.num_held += self.pool.touch(blocks, shadows=not admitted)
+                if free.last_reuse:     # its session's gap: its own chain's keep-time (``ended`` claim)
+                    request.reuse_gap = free.last_reuse
                 if self.pool.tier is not None:     # host-only entries: fresh device blocks, loads
                     hit = self.pool.tier.materialize(request, hit)
         if pressed:
@@ -308,9 +312,10 @@ class GroupCoordinator:
             if end is not None:
                 ends.append(end[:2])
             freed += g.release(request, fork_ends.get(bs, ()), answer_from)
+        gap, request.reuse_gap = (0 if preempted else request.reuse_gap), 0
         if freed or ends:
             tier = self.pool.tier      # the host tier stores what a hit can still need first
             if tier is None:
-                self.pool.free.add_released(freed, preempted, ends)
+                self.pool.free.add_released(freed, preempted, ends, gap)
             else:
-                tier.add_released(request, freed, preempted, ends)
+                tier.add_released(request, freed, preempted, ends, gap)

@@ -49,7 +49,12 @@ holds); a hit on a chain older than tier 3's volume votes for keeping old chains
 anything older than the horizon goes first: chains nobody came back for still age out. The horizon is the
 keep-time that serves most of the latest reuse distances (``_horizon``: youngest-first serves about V / H of
 the reuses within a horizon H, V what tier 3 can hold); proven blocks, reused by any request at any
-distance, age out only past the longest. A **quick** chain (one with a block whose last hit from tier 3
+distance, age out only past the longest. A chain whose session has **ended** goes first too: a request whose
+hit took back a finished chain knows its session's gap (that chain's age), and its own chain, once ``LATE``
+times that old, was its session's last while the ended-session claim holds (returns of such chains came
+within ``LATE`` times their gap at least ``DOUBT`` times as often as later, plus one, in doubt until then:
+agent loops come back late after long tool calls; and at most one in ``DOUBT`` of the overdue chains met came
+back: a Zipf user's cold session returns at any time). A **quick** chain (one with a block whose last hit from tier 3
 came within what tier 3 held then: LRU's order would have served that reuse too; or a block of a hash
 whose ghost, evicted youngest first, a lookup passed within that reach: the same reuse, missed; such hashes
 are remembered as ghosts are) then goes after the other chains, the quick ones youngest first as well: youngest-first
@@ -108,8 +113,9 @@ groups only, this is one order and exactly the policy above.
 """
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import OrderedDict, deque
+from heapq import heapify, heappop, heappush
 
 from .floor import Floor, Shadow
 from .frequency import FrequencyOrder
@@ -132,13 +138,17 @@ VOTE_CAP = 16        # the counter saturates: a change of workload turns it back
 PENALTY = 2          # a ghost evicted youngest-first that LRU would have kept weighs two votes
 DISTANCES = 16       # reuse distances kept for the horizon: the latest, as they grow with a session's history
 VOTED = 64           # evicted batches remembered as having voted (by a walk or ``recomputed``)
+# The ended-session claim: a session comes back within LATE times its last reuse gap or not at all, so a chain past
+# that keep-time was its session's last (counted over about the latest RETURNS returns; thirty-ninth round)
+LATE = 2
+RETURNS = 128
 
 
 class Bin:
     """Free entries of one tier or one release batch: loose units and composites per kind, each in order."""
 
     __slots__ = ("loose", "composites", "units", "stamp", "batches", "counted", "young", "due", "ahead",
-                 "dropped")
+                 "dropped", "gap")
 
     def __init__(self, widths: tuple[int, ...], stamp: int = 0, batches: OrderedDict | None = None):
         self.loose: OrderedDict[int, object] = OrderedDict()
@@ -155,6 +165,7 @@ class Bin:
         # (chains first would have evicted it once more proven units than that went)
         self.ahead = 0
         self.dropped = False        # tier 3: blocks a running request dropped below no fork (``add_dropped``)
+        self.gap = 0                # tier 3, a chain: its session's last reuse gap, in tier-3 units (0: unknown)
 
     def entries(self) -> list:
         out = list(self.loose.values())
@@ -209,11 +220,22 @@ class FreeQueue:
         self.children: OrderedDict[bytes, bytes] = OrderedDict()   # parent hash -> its first child seen
         self.forks: OrderedDict[bytes, None] = OrderedDict()       # parents seen with two children
         self._ghosts: OrderedDict[bytes, tuple] = OrderedDict()  # hash -> (stamp, youngest-first, evicted
-        # while following LRU, chains-or-proven side, frequency side, dropped by a running request)
+        # while following LRU, chains-or-proven side, frequency side, dropped by a running request, its
+        # session's gap)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._horizon_for: tuple[int, int] | None = None   # (volume, horizon) since the last distance
         self._voted_batches: OrderedDict[int, None] = OrderedDict()  # stamps of the batches that voted
         self._votes = 0
+        # The ended-session claim: the age of the last chain a hit took back (the coordinator reads it as the
+        # request's gap); returns of chains of known gap, on time and late; overdue chains met (evicted, or hit
+        # late) and those of them that came back; the stamps of overdue chains evicted (bounded as the ghosts);
+        # the chains' deadlines (a heap of (stamp + LATE * gap, stamp, id, bin)) and those past it (stamp order)
+        self.last_reuse = 0
+        self._returns = [0, 0]
+        self._overdue_counts = [0, 0]
+        self._overdue_gone: OrderedDict[int, None] = OrderedDict()
+        self._deadlines: list[tuple] = []
+        self._overdue: list[tuple] = []
         # Ghosts evicted youngest first that a lookup passed within tier 3's volume (a reuse LRU would have
         # served, missed): a chain released holding one of these hashes is quick
         self._quick_again: OrderedDict[bytes, None] = OrderedDict()
@@ -360,13 +382,14 @@ class FreeQueue:
             if not copies:          # (a copy cached again since: the real pool lacked nothing)
                 self._wanted[tier] += 1
 
-    def add_released(self, blocks, preempted: bool = False, ends=()) -> None:
+    def add_released(self, blocks, preempted: bool = False, ends=(), gap: int = 0) -> None:
         """``(block, proven)`` pairs of a finished (or preempted) request's tables no one else holds, group
         by group, each tail first (so the head of a shared prefix goes last). ``proven``: True below a fork;
         None for its answer (from the block its answer starts in, below no fork); False for the rest of its
         chain. ``ends``: ``(block, hash)`` of blocks it dropped that a hit at its end needs (``add_dropped``'s
         ``at_end``), free since: they join its chain (its proven blocks, if preempted) wherever they wait,
-        so that the window goes as one."""
+        so that the window goes as one. ``gap``: the request's (``last_reuse``), 0 if unknown; the chain goes
+        first once LATE times that old, while the ended-session claim holds."""
         chain, proven = [], []
         tiers = self._tiers
         no_follow_ups = self._holds(ANSWER)
@@ -389,7 +412,7 @@ class FreeQueue:
             else:
                 chain.append(block)
         if chain or proven:
-            self._release_batches(chain, proven)
+            self._release_batches(chain, proven, gap=gap)
         self._lru_release(block for block, _ in blocks)
 
     def add_leftover(self, units) -> None:
@@ -412,6 +435,12 @@ class FreeQueue:
                 self._vote(1)
             if b.batches is not self._proven:
                 self._reused_after(age)
+                if b.gap:
+                    self._returned(age, b.gap)
+                    if age > LATE * b.gap:      # an overdue chain, back
+                        self._count_overdue(1, 1)
+        if b.batches is not None and b.batches is not self._proven:
+            self.last_reuse = self._clock - b.stamp
         if b.batches is not None:
             block.quick = self._clock - b.stamp <= self._reusable_units
             if (b.batches is not self._proven and self._tails <= 0 and not b.young
@@ -628,7 +657,12 @@ class FreeQueue:
         the blocks of them LRU's own order evicted in one run from a hit's end): the votes they cast."""
         ghosts = self._ghosts
         stamp, youngest = ghosts[passed[-1]][:2]
+        gap = ghosts[passed[-1]][6]
         voted = self._voted_batches    # its blocks computed again later cast no second vote
+        if gap and stamp not in voted:  # a session's return, counted once
+            self._returned(self._clock - stamp, gap)
+        if self._overdue_gone.pop(stamp, 0) is None:    # an overdue chain evicted, back
+            self._count_overdue(0, 1)
         voted[stamp] = None
         if len(voted) > VOTED:
             voted.popitem(last=False)
@@ -822,9 +856,16 @@ class FreeQueue:
                 yield b
             return
         cut = cut_proven = None
+        first: set[int] | tuple = ()
         if self._votes >= THRESHOLD:
             cut = self._clock - self._horizon()
             cut_proven = self._clock - (max(self._distances) if self._distances else 0)
+            if self._ended():           # chains past their deadline: their sessions ended
+                first = set()
+                for b in self._overdue_chains():
+                    first.add(id(b))
+                    b.young = False
+                    yield b
         chains, quick, proven = (iter(self._chains.values()), iter(self._quick.values()),
                                  iter(self._proven.values()))
         c, q, p = next(chains, None), next(quick, None), next(proven, None)
@@ -837,8 +878,9 @@ class FreeQueue:
                 b = p
             if b is None or (cut is not None and b.stamp >= cut):
                 break
-            b.young = False
-            yield b
+            if id(b) not in first:
+                b.young = False
+                yield b
             if b is c:
                 c = next(chains, None)
             elif b is q:
@@ -847,14 +889,16 @@ class FreeQueue:
                 p = next(proven, None)
         if c is not None:
             for b in reversed(self._chains.values()):
-                b.young = True
-                yield b
+                if id(b) not in first:
+                    b.young = True
+                    yield b
                 if b is c:
                     break
         if q is not None:               # quick chains, also youngest first
             for b in reversed(self._quick.values()):
-                b.young = True
-                yield b
+                if id(b) not in first:
+                    b.young = True
+                    yield b
                 if b is q:
                     break
         while p is not None:
@@ -933,6 +977,13 @@ class FreeQueue:
             self.floor.evicted = True
             self._evicted += len(entry.units)
             tier = entry.bin
+            if (tier.gap and self._clock > tier.stamp + LATE * tier.gap
+                    and tier.stamp not in self._overdue_gone):      # an overdue chain evicted
+                gone = self._overdue_gone
+                gone[tier.stamp] = None
+                if len(gone) > self._cap:
+                    gone.popitem(last=False)
+                self._count_overdue(1, 0)
             if tier.batches is not None:
                 ghosts = self._ghosts
                 proven = tier.batches is self._proven
@@ -957,7 +1008,7 @@ class FreeQueue:
                         if front is not None and order.key(entry) > order.key(front):
                             by_count = 1
                 ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side,
-                                            by_count, tier.dropped)
+                                            by_count, tier.dropped, tier.gap)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
@@ -985,8 +1036,9 @@ class FreeQueue:
             if not b.units:
                 del b.batches[id(b)]
 
-    def _release_batches(self, chain: list, proven: list, dropped: bool = False) -> None:
-        """One release into tier 3: both batches get the same stamp; the chain goes first on a tie."""
+    def _release_batches(self, chain: list, proven: list, dropped: bool = False, gap: int = 0) -> None:
+        """One release into tier 3: both batches get the same stamp; the chain goes first on a tie. A chain of
+        known ``gap`` gets its deadline."""
         units = sum(len(x.units) for x in chain) + sum(len(x.units) for x in proven)
         waiting = self._reusable_units
         self._clock += units
@@ -1008,7 +1060,65 @@ class FreeQueue:
                     self._push(block, b)
                 if batches is not self._proven:
                     self._chain_units += b.units
+                    if gap:
+                        b.gap = gap
+                        self._deadline(b)
                 batches[id(b)] = b
+
+    def _deadline(self, b: Bin) -> None:
+        """A chain of known gap goes first once LATE times that old (``_overdue_chains``). Deadlines of chains
+        gone are dropped when they outnumber the chains waiting twice over: a bounded heap, O(log n) a chain."""
+        deadlines = self._deadlines
+        heappush(deadlines, (b.stamp + LATE * b.gap, b.stamp, id(b), b))
+        if len(deadlines) > 2 * (len(self._chains) + len(self._quick)) + 64:
+            deadlines[:] = [d for d in deadlines if self._waits(d[3])]
+            heapify(deadlines)
+
+    @staticmethod
+    def _waits(b: Bin) -> bool:
+        """A tier-3 batch still waits (an emptied one leaves its batches)."""
+        return b.units > 0 and b.batches.get(id(b)) is b
+
+    def _overdue_chains(self) -> list:
+        """The chains waiting past their deadline, oldest first."""
+        deadlines, overdue, clock = self._deadlines, self._overdue, self._clock
+        while deadlines and deadlines[0][0] < clock:
+            _, stamp, key, b = heappop(deadlines)
+            if self._waits(b):
+                insort(overdue, (stamp, key, b))
+        overdue[:] = [d for d in overdue if self._waits(d[2])]
+        return [d[2] for d in overdue]
+
+    def _returned(self, age: int, gap: int) -> None:
+        """A chain of known gap came back (a hit, or a lookup passing its ghost) after ``age`` tier-3 units:
+        on time within LATE times the gap, late beyond. The counts halve past RETURNS."""
+        returns = self._returns
+        returns[age > LATE * gap] += 1
+        if returns[0] + returns[1] > RETURNS:
+            returns[0] //= 2
+            returns[1] //= 2
+
+    def _count_overdue(self, overdue: int, back: int) -> None:
+        """The claim checked on the chains it acts on: ``overdue`` chains met past their deadline (evicted, or
+        hit late), ``back`` of them came back (the late hit, a lookup passing an evicted one's ghost). The counts
+        halve past RETURNS."""
+        counts = self._overdue_counts
+        counts[0] += overdue
+        counts[1] += back
+        if counts[0] > RETURNS:
+            counts[0] //= 2
+            counts[1] //= 2
+
+    def _ended(self) -> bool:
+        """The ended-session claim holds: sessions come back within LATE times their last gap or not at all,
+        so a chain past its deadline was its session's last. In doubt until shown: it holds once at least
+        ``DOUBT`` times as many returns came on time as came late, plus one (agent loops come back late after
+        long tool calls, a quarter of the time, and each such return missed costs a whole chain), and while at
+        most one in ``DOUBT`` of the overdue chains met came back (a Zipf user's cold session comes back at
+        any time: its gaps are not a cycle)."""
+        on_time, late = self._returns
+        overdue, back = self._overdue_counts
+        return (late + 1) * DOUBT <= on_time and back * DOUBT <= overdue
 
     def _push(self, block, b: Bin, front: bool = False) -> None:
         queue = b.loose if block.kind < 0 else b.composites[block.kind]

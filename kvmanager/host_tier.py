@@ -204,7 +204,7 @@ class HostTier:
         if run:
             free.add_dropped(run, start, below_fork, below_end, at_end)
 
-    def add_released(self, request, pairs, preempted: bool, ends=()) -> None:
+    def add_released(self, request, pairs, preempted: bool, ends=(), gap: int = 0) -> None:
         """``FreeQueue.add_released``'s arguments and the request: the cached blocks a hit can still need
         (``needed_at_release``) are stored, pinned ones stay out, the rest go to the free queue."""
         if not preempted:       # a preempted request's blocks: the room is needed now; they wait as proven
@@ -216,7 +216,7 @@ class HostTier:
                         self._store(b, (proven, preempted), not needed_pass)
         out = [(b, proven) for b, proven in pairs if not b.pinned]
         if out or ends:
-            self.pool.free.add_released(out, preempted, ends)
+            self.pool.free.add_released(out, preempted, ends, gap)
 
     def needed_at_release(self, request) -> list[set[bytes]]:
         """Per group, the hashes of the request's blocks a plausible hit needs: a hit at its end (the blocks

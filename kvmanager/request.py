@@ -41,7 +41,8 @@ class Request:
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens", "extra_keys", "finished", "_hashes", "lru_hit", "sparse_hit")
+                 "num_computed_tokens", "extra_keys", "finished", "_hashes", "lru_hit", "sparse_hit",
+                 "reuse_gap")
 
     def __init__(self, request_id: str, prompt_token_ids, *, extra_keys: tuple = (),
                  block_hashes: dict[int, list[bytes]] | None = None):
@@ -63,6 +64,7 @@ class Request:
         self._hashes: dict[int, list[bytes]] = _check_hashes(request_id, block_hashes, len(prompt))
         self.lru_hit = -1     # the hit plain LRU would have granted at its last lookup (``kvmanager.floor``)
         self.sparse_hit = -1  # the same for the sparse LRU, where a group drops blocks
+        self.reuse_gap = 0    # the age of the finished chain its hit took back (``FreeQueue.last_reuse``)
 
     @property
     def num_tokens(self) -> int:

@@ -688,6 +688,93 @@ def test_reusable_tier_a_chain_older_than_the_horizon_goes_first_even_when_keepi
     assert q.take(0) == [a[0]]
 
 
+def _sessions_return(q: FreeQueue, first_id: int, n: int, gap: int, age: int) -> int:
+    """``n`` sessions, one at a time: a one-block chain released with its session's last ``gap``, then ``age``
+    tier-3 units of proven blocks (they wait apart and go last), then a hit takes the chain back: a return
+    after ``age`` units. Returns the next free block id."""
+    for _ in range(n):
+        (s,) = _blocks(first_id, 1, "s")
+        q.add_released([(s, False)], gap=gap)
+        _release(q, _blocks(first_id + 1, age, "f"), proven=True)
+        q.remove(s)
+        first_id += 1 + age
+    return first_id
+
+
+def _overdue_and_young(q: FreeQueue, first_id: int) -> list[int]:
+    """A chain of a session whose last gap was 2 (overdue past 2 * 2 = 4 units), then five young one-block
+    chains (gap unknown): it is 5 units old, within the horizon (8). The six in tier 3's eviction order."""
+    (x,) = _blocks(first_id, 1, "x")
+    q.add_released([(x, False)], gap=2)
+    young = _blocks(first_id + 1, 5, "y")
+    for b in young:
+        _release(q, [b])
+    mine = {x.block_id, *(b.block_id for b in young)}
+    return [i for i in q.ids() if i in mine]
+
+
+@pytest.mark.parametrize("on_time, order", [
+    (DOUBT - 1, [1005, 1004, 1003, 1002, 1001, 1000]),   # in doubt: youngest first, the overdue chain last
+    (DOUBT, [1000, 1005, 1004, 1003, 1002, 1001]),       # shown: the overdue chain first, then youngest first
+])
+def test_a_chain_past_twice_its_sessions_last_gap_goes_first_once_returns_came_on_time(on_time, order):
+    # sessions come back within about their last gap (tier-3 units from a chain's release to the hit that
+    # takes it back) or not at all (an edit trace's sessions end together): a chain LATE (2) times its gap
+    # old was its session's last, and goes before the young chains youngest-first keeps. In doubt until
+    # DOUBT returns came on time (and DOUBT more per late one)
+    q = FreeQueue([], (1,))
+    for lookup in _evicted_chains(q, 1, THRESHOLD):  # youngest-first from here
+        lookup()
+    next_id = _sessions_return(q, 10, on_time, gap=8, age=8)      # distances 8: horizon 8
+    assert next_id < 1000
+    assert _overdue_and_young(q, 1000) == order
+
+
+def test_one_late_return_puts_the_ended_session_claim_in_doubt_until_doubt_more_came_on_time():
+    q = FreeQueue([], (1,))
+    for lookup in _evicted_chains(q, 1, THRESHOLD):
+        lookup()
+    next_id = _sessions_return(q, 10, DOUBT, gap=8, age=8)
+    next_id = _sessions_return(q, next_id, 1, gap=2, age=8)       # 8 > 2 * 2: late; (1 + 1) * 20 > 20
+    next_id = _sessions_return(q, next_id, DOUBT - 1, gap=8, age=8)   # 39 on time: still in doubt
+    assert next_id < 2000
+    assert _overdue_and_young(q, 2000) == [2005, 2004, 2003, 2002, 2001, 2000]
+
+
+@pytest.mark.parametrize("came_back, order", [
+    (False, [2000, 2005, 2004, 2003, 2002, 2001]),  # the overdue chain evicted stayed gone: the claim holds
+    (True, [2005, 2004, 2003, 2002, 2001, 2000]),   # its session came back: 1 of 1 overdue chains, in doubt
+])
+def test_an_evicted_overdue_chain_whose_session_came_back_puts_the_claim_in_doubt(came_back, order):
+    # the claim checked on the chains it acts on: a Zipf user's cold session comes back at any time, past any
+    # multiple of its last gap; while more than one in DOUBT of the overdue chains met came back, they wait
+    q = FreeQueue([], (1,))
+    for lookup in _evicted_chains(q, 1, THRESHOLD):
+        lookup()
+    next_id = _sessions_return(q, 10, 2 * DOUBT, gap=8, age=8)   # room for one late return: (1 + 1) * 20 <= 40
+    assert next_id < 1000
+    assert _overdue_and_young(q, 1000)[0] == 1000
+    (x,) = [b for b in q.entries() if b.block_id == 1000]
+    q.learn(b"px", x.block_hash)
+    assert q.take(0) == [x]                         # overdue: first
+    if came_back:                                   # a lookup passes its ghost: a late return too
+        q.note_lookup([b"px", x.block_hash].__getitem__, 0, 2)
+    assert _overdue_and_young(q, 2000) == order
+
+
+def test_a_follow_up_releases_its_chain_with_the_age_of_the_chain_its_hit_took_back():
+    # the request's gap: tier-3 units released between its previous turn's release and its hit
+    mgr = KVCacheManager([FullAttention(4)], num_blocks=40)
+    turn1 = Request("s-1", list(range(1, 9)))
+    serve(mgr, turn1, 8, output=[901, 902, 903, 904, 905])       # 12 tokens computed: a chain of 3 blocks
+    for i in range(3):                                          # three one-block requests: 3 more units
+        serve(mgr, Request(f"o-{i}", list(range(100 + 10 * i, 104 + 10 * i))), 8)
+    turn2 = Request("s-2", turn1.all_token_ids[:12] + [700, 701, 702, 703])
+    assert serve(mgr, turn2, 8) == 12
+    # (its chain is quick: the hit came within the units tier 3 held)
+    assert [b.gap for b in mgr.pool.free._quick.values()] == [3]
+
+
 def test_a_ghost_evicted_youngest_first_that_lru_would_have_kept_votes_back_towards_lru():
     q = FreeQueue([], (1,))
     for lookup in _evicted_chains(q, 1, THRESHOLD):  # THRESHOLD votes, horizon 3 (as above)
