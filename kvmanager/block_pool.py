@@ -45,7 +45,7 @@ class Block:
         self.lru_sparse = None     # the same for the sparse LRU (``floor``), where a group drops blocks
         self.due = 0               # tiers 1 and 2: cached units evicted by the time their order reaches it
         self.quick = False         # its last hit from tier 3 came within tier 3's volume (``free_queue``)
-        self.claim = 0             # the free queue's claim that covers it while free (tier 1, 2, ANSWER); 0: none
+        self.claim = 0             # the free queue's claim that covers it while free (tier 1, 2, ANSWER, LEFT); 0: none
         self.depth = 0             # its index in the table it was filled for: deeper blocks of a chain need those above
         self.pinned = False        # a host-tier copy of it is in flight: outside the free queue (``host_tier``)
 

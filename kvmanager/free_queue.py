@@ -22,6 +22,12 @@ lowest non-empty tier:
    last message (another question on the same document, an edited last turn) forks there. Evicting them
    before every finished chain is a claim too (such forks are rarer than follow-ups), checked the same way:
    where it fails (questions over retrieved documents come back to a document's end), they wait in tier 3.
+   What a later request **left** of a session's chain waits here too, while that claim holds: a lookup that
+   leaves a remembered chain at a new fork (an edit's cut, a regenerated answer) marks the blocks of that
+   chain above the fork that wait in a finished follow-up's chain (one whose session has come back before);
+   the session goes on from the cut, so no hit ends above it again. It is checked as tier 2's claim is. A
+   first turn's chain is left alone: a second session's first lookup at a shared system prompt's end is a
+   new fork too, and its hashes cannot tell it from an edit.
    A finished request's **answer** (its blocks from the one its answer starts in: no resend of its prompt
    hits them, only a follow-up turn) waits here too while the answer claim holds: that follow-ups do not
    come (one-off questions after shared documents or system prompts). Unlike the tiers' claims it starts in doubt, since
@@ -122,6 +128,7 @@ from .frequency import FrequencyOrder
 
 EMPTY, UNREACHABLE, SPECULATIVE = 0, 1, 2
 ANSWER = 3           # a claim, not a tier: a finished request's answer waits in tier 2 while it holds
+LEFT = 4             # a claim, not a tier: a follow-up's chain above where a later request left it waits in tier 2
 
 # How far below a prompt's end a later prompt's fork is plausible: a question or user message (docs/design.md,
 # Retention, tier 2, has the measurement that chose it).
@@ -208,9 +215,9 @@ class FreeQueue:
         # The claims (tiers 1 and 2, the answer claim): blocks each was made for, and those wanted again (a hit
         # took one back, a lookup went on through an evicted answer, or LRU's pool served one the tier had
         # evicted: ``lost_block``); the evicted ones are remembered for that
-        self._claimed = [0, 0, 0, 0]  # per claim (1, 2; ANSWER: answers evicted and not wanted since)
-        self._wanted = [0, 0, 0, 0]   # per claim: those wanted again
-        self._held = [False, True, True, False]   # per claim, at its last check (the answer's starts in doubt)
+        self._claimed = [0, 0, 0, 0, 0]  # per claim (1, 2; ANSWER: answers evicted and not wanted since; LEFT)
+        self._wanted = [0, 0, 0, 0, 0]   # per claim: those wanted again
+        self._held = [False, True, True, False, True]   # per claim, at its last check (the answer's in doubt)
         self._claim_gone: OrderedDict[tuple[int, bytes], int] = OrderedDict()   # evicted -> its claim
         self._answers_gone: OrderedDict[bytes, int] = OrderedDict()   # evicted answer -> cached units evicted then
         # Every memory below is bounded by twice the pool's size: ghosts then cover reuse distances up to
@@ -607,6 +614,7 @@ class FreeQueue:
             if child != h:
                 if parent not in self.forks:
                     self._fork(parent)
+                    self._left_branch(child)
                 break
             ghost = ghosts.get(h)
             if ghost is not None:
@@ -632,6 +640,29 @@ class FreeQueue:
             j += 1
         if passed:                      # an evicted chain votes once (a request may be looked up again and
             self._passed(passed, missed)  # again while it waits)
+
+    def _left_branch(self, child: bytes) -> None:
+        """A lookup left a remembered chain at a new fork: that chain's blocks from ``child`` on that wait in a
+        finished follow-up's chain (``Bin.gap``: its session came back before) join tier 2 under the LEFT claim.
+        On a sliding layout an edit's hit takes dropped blocks only, and the trailing window above its cut
+        waits in the chain; with full attention the chain holds every block above the cut. The walk follows
+        at most a pool's worth of links, once per fork."""
+        if not self._cached or not self._holds(LEFT):
+            return
+        children, chains, quick = self.children, self._chains, self._quick
+        k, n = child, 0
+        while k is not None and n < self._pool_units:
+            for copies in (cached.get(k) for cached in self._cached):
+                if copies:
+                    for e in list(copies.values()):
+                        b = e.bin
+                        if (not e.ref_cnt and b is not None and (b.batches is chains or b.batches is quick)
+                                and not b.dropped and b.gap and self._waiting(e, k)):
+                            self._detach(e)
+                            self._claim(e, LEFT)
+                            self._wait_in(e, SPECULATIVE)
+            k = children.get(k)
+            n += 1
 
     def recomputed(self, block_hash: bytes) -> None:
         """A block of this hash was computed and cached. If it is a ghost of a batch no lookup passed, its reuse

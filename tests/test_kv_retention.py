@@ -17,7 +17,7 @@ import pytest
 
 from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager.block_pool import Block, BlockPool
-from kvmanager.free_queue import ANSWER, DOUBT, PENALTY, THRESHOLD, FreeQueue
+from kvmanager.free_queue import ANSWER, DOUBT, LEFT, PENALTY, THRESHOLD, FreeQueue
 from kvmanager.frequency import FrequencyOrder
 
 from drivers import decode, ids, run_step
@@ -416,6 +416,72 @@ def test_a_block_tier_2_evicted_that_lrus_pool_then_served_counts_against_its_cl
     q.lost_block((-1, a[0].block_hash))                # LRU served what tier 2 evicted: 1 of 4, 20 > 4
     q.add_dropped(_blocks(30, 1, "y"), 0, (), {0})     # withdrawn: tier 2's blocks, then this one, after the chain
     assert q.ids() == [10, 2, 3, 20, 30]
+
+
+def test_an_edits_lookup_sends_the_window_above_its_cut_of_a_follow_ups_chain_before_an_older_chain():
+    # Sliding only, W=4, B=1 (a hit needs 3 blocks). s-1 (12 tokens, chunks of 4): ids 1..12, its dropped
+    # interior 1..5 in tier 2, its chain 12..6. o (6 tokens): its chain 18..13. s-2 follows s-1 up: its hit
+    # takes s-1's window (10..12), six units after s-1's release: its chain (22..19, 12..10) carries that
+    # gap, its session has come back. s-3 edits s-2: s-2's first 14 tokens, then its own. Its lookup leaves
+    # s-2's remembered chain at 14, a new fork, and the window s-2's chain holds above it (positions 14, 15:
+    # ids 21, 22) joins tier 2, before o's older chain; its hit takes the window below the cut (12, 19, 20).
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=4)], num_blocks=40)    # ids 1..39
+    serve(mgr, Request("s-1", list(range(1, 13))), 4)
+    serve(mgr, Request("o", list(range(100, 106))), 8)
+    assert serve(mgr, Request("s-2", list(range(1, 13)) + [200, 201, 202, 203]), 4) == 12
+    free = mgr.pool.free
+    assert free.ids()[-22:] == [1, 2, 3, 4, 5, 9, 8, 7, 6, 18, 17, 16, 15, 14, 13, 22, 21, 20, 19, 12, 11, 10]
+    s3 = Request("s-3", list(range(1, 13)) + [200, 201, 300, 301])
+    hit, h = mgr.get_computed_blocks(s3)
+    assert (ids(hit)[0][-3:], h) == ([12, 19, 20], 14)
+    assert mgr.allocate_slots(s3, 2, 14, hit) == ([0] * 11 + [12, 19, 20, 23, 24],)
+    assert free.ids()[-19:] == [1, 2, 3, 4, 5, 21, 22, 9, 8, 7, 6, 18, 17, 16, 15, 14, 13, 11, 10]
+
+
+def test_a_second_sessions_first_lookup_at_a_shared_system_prompt_leaves_the_first_sessions_chain_in_tier_3():
+    # The same fork an edit makes, at a shared prefix's end: a first turn's chain (no gap known: its session
+    # has not come back yet) is left where it waits, and its follow-up hits all of it. Sliding only, W=4, B=1:
+    # a = S (6 tokens) + 6 more computes ids 1..12; b = S + 3 others leaves a's chain after S.
+    mgr = KVCacheManager([SlidingWindow(block_size=1, window=4)], num_blocks=40)
+    system = [41, 42, 43, 44, 45, 46]
+    a = Request("a", system + [1, 2, 3, 4, 5, 6])
+    serve(mgr, a, 4, output=[7, 8])
+    free = mgr.pool.free
+    before = free.ids()
+    assert mgr.get_computed_blocks(Request("b", system + [9, 9, 9]))[1] == 6
+    assert free.ids() == before and free.forks
+    assert mgr.get_computed_blocks(Request("a-2", a.all_token_ids[:13] + [50, 51]))[1] == 13
+
+
+def _left_chain(q: FreeQueue, first_id: int, n: int, tag: str) -> list[Block]:
+    """A follow-up's chain of ``n`` blocks (its gap known), linked block to block, then a lookup that agrees
+    with its first block only: a new fork there."""
+    blocks = _blocks(first_id, n, tag)
+    for b in blocks:
+        q._cached[0][b.block_hash] = {b.block_id: b}
+    for parent, child in zip(blocks, blocks[1:]):
+        q.learn(parent.block_hash, child.block_hash)
+    q.add_released([(b, False) for b in blocks], gap=5)
+    q.note_lookup([blocks[0].block_hash, b"edit"].__getitem__, 1, 2)
+    return blocks
+
+
+def test_the_left_claim_is_withdrawn_once_more_than_one_in_doubt_of_its_blocks_was_hit_again():
+    # Checked as tier 2's claim: a hit taking back a block it was made for counts against it. Up to one in
+    # DOUBT (20) it holds; past that, what a new fork leaves stays in its chain, and the blocks the claim had
+    # sent to tier 2 join tier 3 as one release batch.
+    q = FreeQueue([Block(i) for i in range(100, 164)], (1,), cached=[{}])   # 64 never used: the walk's bound
+    (older,) = _blocks(40, 1, "c")
+    _release(q, [older])
+    a = _left_chain(q, 1, DOUBT + 1, "a")              # 20 claimed: ids 2..21 in tier 2, 1 waits in tier 3
+    assert q.ids()[64:] == list(range(2, 22)) + [40, 1]
+    q.remove(a[1])                                     # hit again: 1 of 20, 20 <= 20: the claim holds
+    _left_chain(q, 50, 3, "b")                         # 22 claimed: 51, 52 join tier 2
+    assert q.ids()[64:] == list(range(3, 22)) + [51, 52, 40, 1, 50]
+    q.remove(a[2])                                     # 2 of 22: 40 > 22: withdrawn at the next fork
+    _left_chain(q, 60, 3, "d")
+    assert (q._claimed[LEFT], q._wanted[LEFT]) == (22, 2)
+    assert q.ids()[64:] == [40, 1, 50, 60, 61, 62] + list(range(4, 22)) + [51, 52]
 
 
 def test_an_answer_waits_in_its_chain_until_one_goes_unwanted_for_two_pools_then_first_until_a_lookup_wants_one():
