@@ -212,9 +212,9 @@ class FreeQueue:
         self._reusable_units = 0      # units waiting in tier 3
         self._clock = 0               # units ever released into tier 3: a batch's age is clock - stamp
         self._evicted = 0             # cached units ever evicted (reused for new content), any tier
-        # The claims (tiers 1 and 2, the answer claim): blocks each was made for, and those wanted again (a hit
-        # took one back, a lookup went on through an evicted answer, or LRU's pool served one the tier had
-        # evicted: ``lost_block``); the evicted ones are remembered for that
+        # The claims (tiers 1 and 2, the answer and left-branch claims): blocks each was made for, and those
+        # wanted again (a hit took one back, a lookup went on through an evicted answer, or LRU's pool served one
+        # the tier had evicted: ``lost_block``); the evicted ones are remembered for that
         self._claimed = [0, 0, 0, 0, 0]  # per claim (1, 2; ANSWER: answers evicted and not wanted since; LEFT)
         self._wanted = [0, 0, 0, 0, 0]   # per claim: those wanted again
         self._held = [False, True, True, False, True]   # per claim, at its last check (the answer's in doubt)
