@@ -649,15 +649,14 @@ class FreeQueue:
         at most a pool's worth of links, once per fork."""
         if not self._cached or not self._holds(LEFT):
             return
-        children, chains, quick = self.children, self._chains, self._quick
+        children, proven = self.children, self._proven
         k, n = child, 0
         while k is not None and n < self._pool_units:
-            for copies in (cached.get(k) for cached in self._cached):
-                if copies:
-                    for e in list(copies.values()):
+            for cached in self._cached:
+                for e in cached.get(k, {}).values():
+                    if self._waiting(e, k):
                         b = e.bin
-                        if (not e.ref_cnt and b is not None and (b.batches is chains or b.batches is quick)
-                                and not b.dropped and b.gap and self._waiting(e, k)):
+                        if b.batches is not None and b.batches is not proven and b.gap and not b.dropped:
                             self._detach(e)
                             self._claim(e, LEFT)
                             self._wait_in(e, SPECULATIVE)
