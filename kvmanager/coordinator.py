@@ -80,7 +80,8 @@ class GroupCoordinator:
             group = self.groups[g]      # free queue how chains go on
             group.learns_chains = group.block_size not in seen
             seen.add(group.block_size)
-        # The floor's credit cap: a pool's worth of tokens (what the pool holds of one request's tables).
+        # The floor's cap: a pool's worth of tokens (what the pool holds of one request's tables), the most the
+        # credit banks (with ``SURPLUS`` of the tokens looked up), the lead's clamp and the evidence's floor.
         pool.free.floor.cap = (pool.num_blocks - 1) // sum(pool.widths) * self._block_sizes[0]
         pool.free.floor.block = self._block_sizes[0]
         self.no_hit: tuple[list[Block], ...] = tuple([] for _ in specs)

@@ -20,7 +20,8 @@ again once it reaches ``-cap`` (changing at every sign of the lead, the floor fo
 the loss of a single prompt and traded as many losing cells in as out: docs/retention-rounds.md,
 eighteenth round). ``l_i`` is the reference's hit at admission ``i`` (chosen before it). Then
 
-    credit_i = min(cap, credit_{i-1} + h_i - l_i + SLACK * P_i),   credit_0 = 0
+    credit_i = min(bank_i, credit_{i-1} + h_i - l_i + SLACK * P_i),   credit_0 = 0,
+    bank_i = min(cap, SURPLUS * (P_1 + ... + P_i))      (what is above the bank waits in reserve, below)
 
 and the free queue follows the tiers while ``credit >= 0``, the reference's order otherwise (``free_queue``:
 content that LRU does not hold goes first, so the real free blocks become its own at once). Below zero the
@@ -45,6 +46,19 @@ admissions as the tiers' last stretch", almost never fired where hit rates grow 
 sessions warming up kept the floor on LRU for good after one transient dip, 0.595 against the tiers'
 0.706 alone; docs/design.md, Retention.)
 
+The **bank** is what the tiers may lose to LRU after a winning stretch before it takes over: a loss shows
+only once an admission needs what they evicted, so the floor acts only once the bank is spent. A pool's
+worth of tokens is a large share of a trace a few pools long (edit sliding 3177 of seed 382353997, W 1024,
+looks up 7.8 pools' worth in all: a pool's worth is 12.8% of its prompt tokens), so the bank is also at
+most ``SURPLUS`` of the tokens looked up so far. A surplus beyond it waits in **reserve** (bank and reserve
+together a pool's worth at most). Once the bank is spent, LRU's order runs until the real pool has evicted
+as many tokens as the exposure held (what LRU held free and the real pool lacked then), and the reserve then
+comes back: a dip costs the tiers a stretch in LRU's order, not their surplus, while a trace's last turns,
+which the tiers lose and do not win back, are served in LRU's order. Without the reserve (the surplus
+beyond the bank dropped), an early dip held the tiers in LRU's order for good where they win most
+(siblings sliding 191 of seed 328134681: 0.830 -> 0.345); with a bank of 0.5% or 1%, early dips did the
+same to edit sliding cells (docs/retention-rounds.md, forty-first round).
+
 A **streak** hands the order to LRU sooner, for a while. The credit is long memory, and a loss shows only
 once an admission needs what the tiers evicted: where their guesses turn wrong all at once (an edit or phase
 trace's sessions moving on together) a surplus lets them lose it and more before LRU takes over. So ``STREAK``
@@ -59,8 +73,8 @@ dip costs the tiers a few admissions in LRU's order, not their surplus: holding 
 pool's turnover or until a win alone lost phase and rag cells of the unseen grid that the tiers were winning
 (docs/retention-rounds.md, thirty-sixth and thirty-seventh rounds).
 
-**The bound.** ``min(cap, .)`` only lowers the credit and a streak gives back no more than it held back,
-so summing gives, after any ``n`` admissions,
+**The bound.** The bank moves a surplus into the reserve, whose limit only lowers it, and the reserve and a
+streak give back no more than they held, so summing gives, after any ``n`` admissions,
 
     sum h_i >= sum l_i - SLACK * sum P_i - forgiven - overshoot_n,      overshoot_n = max(0, -credit_n)
 
@@ -69,11 +83,14 @@ floor at ``-cap`` only drops negative evidence), so ``forgiven`` is at most the 
 while in charge, on chains its own order had evicted and the tiers' would have kept (less what it hit that
 the tiers' order would have evicted since the evidence last stood at ``-cap``): the manager trails LRU by
 more than the slack and the current overshoot only by what LRU provably lost to its own evictions. Over
-any stretch of admissions ``cap`` more: a past surplus (at most ``cap``, a pool's worth of tokens) is
-spent once, not forever. The credit only falls below zero at the admission that crosses it (at most that
-admission's loss, its prompt at worst) and while the real pool still lacks what the tiers evicted before
-the switch and LRU kept: that content leaves the shadow within one turnover of the free pool. The
-comparison is with LRU on the same admissions (same order, same running requests), not with another run.
+a stretch of admissions from ``s`` on, the surplus carried into it more (credit, reserve and what a streak
+held back: at most a pool's worth, spent once, not forever). Of it, only the bank, at most ``SURPLUS`` of the
+tokens looked up before the stretch, is spent before LRU takes over; the reserve comes back only after LRU's
+order has run for a turnover of what the real pool lacked. The credit only falls below zero at the admission
+that crosses it (at most that admission's loss, its prompt at worst) and while the real pool still lacks
+what the tiers evicted before the switch and LRU kept: that content leaves the shadow within one turnover
+of the free pool. The comparison is with LRU on the same admissions (same order, same running requests),
+not with another run.
 
 Against the better of the two LRUs the reference costs a bounded amount: over a stretch where sparse is
 the reference, ``lead`` starts at ``+cap`` and ends above ``-cap`` less the difference at the admission that
@@ -95,6 +112,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 SLACK = 0.002        # the hit rate (share of prompt tokens) the tiers may lose to LRU before it takes over
+SURPLUS = 0.02       # the share of the tokens looked up so far the credit may bank (the rest: in reserve)
 STREAK = 3           # admissions in a row lost to both LRUs that hand the order to LRU while the credit is short
 
 
@@ -185,19 +203,20 @@ class Shadow:
 
 
 class Floor:
-    __slots__ = ("dense", "sparse", "lead", "credit", "cap", "slack", "follow_lru", "evicted",
+    __slots__ = ("dense", "sparse", "lead", "credit", "cap", "slack", "surplus", "follow_lru", "evicted",
                  "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
                  "evidence", "block", "forgiven", "sparse_admissions", "changes", "changed_by",
                  "dense_hits", "sparse_hits", "on_sparse", "streak", "streaks", "held_back", "give_back_at",
-                 "exposed", "evicted_tokens")
+                 "exposed", "evicted_tokens", "reserve", "give_back_on_win")
 
-    def __init__(self, cap: int = 0, slack: float = SLACK):
+    def __init__(self, cap: int = 0, slack: float = SLACK, surplus: float | None = None):
         self.dense = Shadow()       # plain LRU over every cached block freed
         self.sparse: Shadow | None = None   # plain LRU over all but windows no hit is known to end above
         self.lead = 0               # tokens the sparse LRU hit more than the dense one, within +-cap
         self.on_sparse = False      # the reference is the sparse LRU (since the lead last reached +cap)
         self.cap = cap
         self.slack = slack
+        self.surplus = SURPLUS if surplus is None else surplus
         self.credit = 0.0
         self.follow_lru = False
         self.evicted = False        # either pool evicted a cached block (else both hold every hash)
@@ -214,6 +233,8 @@ class Floor:
         self.streaks = 0                # times a streak handed the order to LRU
         self.held_back = 0.0            # the credit the last streak set aside
         self.give_back_at = None        # ... until a win or the real pool's evicted tokens reach this
+        self.give_back_on_win = True    # ... whether a win gives it back (a streak's: yes; the bank's: no)
+        self.reserve = 0.0              # surplus beyond the bank, given back after the bank is spent
         self.exposed = lambda: 0        # the free queue's: tokens the reference holds free, the real pool not
         self.evicted_tokens = lambda: 0     # the free queue's: tokens of cached content evicted so far
 
@@ -261,14 +282,16 @@ class Floor:
         self.hits += hit
         self.lru_hits += ref
         self.prompt_tokens += prompt_tokens
-        credit = min(self.cap, self.credit + hit - ref + self.slack * prompt_tokens)
+        bank = self.bank()
+        credit = self._deposit(self.credit + hit - ref + self.slack * prompt_tokens, bank)
         if credit < self.lowest:
             self.lowest = credit
         if self.follow_lru and credit < 0 and self.evidence >= -credit:
             self.forgiven -= credit     # the tiers would have made up the deficit: another try
             credit = 0.0
-        if self.give_back_at is not None and (hit > ref or self.evicted_tokens() >= self.give_back_at):
-            credit = min(self.cap, credit + self.held_back)
+        if self.give_back_at is not None and ((hit > ref and self.give_back_on_win)
+                                              or self.evicted_tokens() >= self.give_back_at):
+            credit = self._deposit(credit + self.held_back, bank)
             self.give_back_at = None
         if hit > ref or self.follow_lru:
             self.streak = 0
@@ -277,15 +300,33 @@ class Floor:
             if self.streak >= STREAK and 0 <= credit < (exposed := self.exposed()):
                 self.held_back = credit + 1         # a turn of the workload: LRU's order for a while
                 self.give_back_at = self.evicted_tokens() + exposed
+                self.give_back_on_win = True
                 credit = -1.0
                 self.streak = 0
                 self.streaks += 1
+        if credit < 0 and self.reserve > 0 and self.give_back_at is None:
+            self.held_back, self.reserve = self.reserve, 0.0    # the bank spent: LRU's order until the real
+            self.give_back_at = self.evicted_tokens() + self.exposed()  # pool has turned over what it lacks
+            self.give_back_on_win = False
         self.credit = credit
         follow = credit < 0
         if follow != self.follow_lru:
             self.evidence = 0
             self.follow_lru = follow
             self.switches += 1
+
+    def _deposit(self, credit: float, bank: float) -> float:
+        """``credit`` within the bank; what is above it waits in reserve (the two together a pool's worth)."""
+        if credit > bank:
+            self.reserve += credit - bank
+            credit = bank
+        self.reserve = min(self.reserve, self.cap - bank)
+        return credit
+
+    def bank(self) -> float:
+        """``bank_i``, the most credit the tiers may hold now: a pool's worth of tokens, and at most ``surplus``
+        of the tokens looked up so far (spent before LRU takes over, it costs at most that share of a trace)."""
+        return min(self.cap, self.surplus * self.prompt_tokens)
 
     def tiers_vs_lru(self, blocks: int) -> None:
         """Below the floor: the tiers' order would have served ``blocks`` more blocks' tokens than LRU did

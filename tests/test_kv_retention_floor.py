@@ -19,7 +19,7 @@ from kvmanager import FullAttention, KVCacheManager, Request, SlidingWindow
 from kvmanager import free_queue
 from kvmanager.block_pool import Block
 from kvmanager import floor as floor_module
-from kvmanager.floor import SLACK, STREAK, Floor, Shadow
+from kvmanager.floor import SLACK, STREAK, SURPLUS, Floor, Shadow
 from kvmanager.free_queue import THRESHOLD, FreeQueue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
@@ -136,7 +136,8 @@ def test_on_cyclic_sessions_the_tiers_beat_lru_and_the_floor_never_takes_over():
     assert floor.switches == 0 and not floor.follow_lru and floor.lowest >= 0
 
 
-def test_the_credit_follows_lru_below_zero_gains_slack_per_prompt_token_and_is_capped():
+def test_the_credit_follows_lru_below_zero_gains_slack_per_prompt_token_and_banks_a_share_of_the_tokens_up_to_the_cap():
+    assert SURPLUS == 0.02
     f = Floor(cap=1000)
     f.admitted(100, 100, 1000)            # equal hits: + 0.002 * 1000
     assert (f.credit, f.follow_lru) == (2.0, False)
@@ -145,14 +146,36 @@ def test_the_credit_follows_lru_below_zero_gains_slack_per_prompt_token_and_is_c
     for _ in range(23):                   # LRU serves more than the tiers did (60 a turn against 50):
         f.admitted(60, 60, 1000)          # only the slack brings the credit back, 23 x 2
     assert (f.credit, f.follow_lru, f.switches, f.forgiven) == (0.0, False, 2, 0)
-    f.admitted(5000, 0, 1000)             # a large win is kept only up to the cap
+    f.admitted(5000, 0, 1000)             # a large win is banked only up to 2% of the 26,000 tokens so far
+    assert f.credit == 520
+    for _ in range(24):                   # ties: + 2 each, under a bank growing by 20 a turn
+        f.admitted(60, 60, 1000)
+    assert f.credit == 568
+    f.admitted(5000, 0, 1000)             # 2% of 51,000 is more than the cap: a pool's worth
     assert f.credit == 1000
+
+
+def test_beyond_the_bank_a_surplus_waits_in_reserve_and_comes_back_once_lru_has_turned_the_exposure_over():
+    f = Floor(cap=1000)                   # the bank: 2% of the tokens looked up, at most 1000
+    evicted = [0]
+    f.exposed = lambda: 300               # tokens LRU holds free that the real pool does not
+    f.evicted_tokens = lambda: evicted[0]
+    f.admitted(5000, 0, 1000)             # 5002 earned: 20 banked, the rest in reserve up to 1000 in all
+    assert (f.credit, f.reserve) == (20.0, 980.0)
+    f.admitted(0, 100, 1000)              # 20 - 100 + 2: the bank spent, LRU's order; the reserve (960 now,
+    assert (f.credit, f.follow_lru, f.reserve, f.held_back, f.give_back_at) == (-78.0, True, 0.0, 960.0, 300)
+    f.admitted(50, 10, 1000)              # with the bank at 40) held back: a win does not give it back,
+    assert (f.credit, f.follow_lru) == (-36.0, True)
+    evicted[0] = 300                      # the exposure's turnover does: -34 + 960, 80 banked, 846 in reserve
+    f.admitted(10, 10, 1000)
+    assert (f.credit, f.reserve, f.follow_lru, f.switches, f.give_back_at) == (80.0, 846.0, False, 2, None)
 
 
 def streaked_floor():
     """A floor whose tiers lost three admissions in a row to both LRUs with a credit of 478 below an exposure
-    of 600 tokens: LRU's order, 479 held back until the real pool has evicted 600 tokens more."""
-    f = Floor(cap=1000)
+    of 600 tokens: LRU's order, 479 held back until the real pool has evicted 600 tokens more. (The bank's
+    share out of the way, ``surplus`` 1: these credits test the streak alone.)"""
+    f = Floor(cap=1000, surplus=1.0)
     evicted = [0]
     f.exposed = lambda: 600
     f.evicted_tokens = lambda: evicted[0]
@@ -165,7 +188,7 @@ def streaked_floor():
 
 def test_three_losses_to_lru_with_no_win_between_hand_the_order_to_lru_while_the_credit_is_below_the_exposure():
     assert STREAK == 3
-    f = Floor(cap=1000)
+    f = Floor(cap=1000, surplus=1.0)      # the bank's share out of the way: a test of the streak alone
     exposed = [600]                       # tokens LRU holds free that the real pool does not
     f.exposed = lambda: exposed[0]
     f.admitted(500, 0, 1000)              # a win: credit 502
@@ -218,7 +241,7 @@ def test_after_a_streak_the_evidence_may_bring_the_tiers_back_first_and_the_surp
 
 
 def test_a_streak_counts_only_admissions_lost_to_both_lrus():
-    f = Floor(cap=1000)
+    f = Floor(cap=1000, surplus=1.0)      # the bank's share out of the way: a test of the streak alone
     f.sparse = Shadow()
     f.exposed = lambda: 10 ** 6
     f.admitted(500, 0, 1000, 0)           # credit 502, the dense LRU the reference
@@ -230,13 +253,17 @@ def test_a_streak_counts_only_admissions_lost_to_both_lrus():
     assert (f.credit, f.follow_lru, f.streaks) == (-1.0, True, 1)
 
 
-def test_on_a_phase_trace_a_streak_hands_the_turn_to_lru_in_time_and_gives_the_surplus_back(monkeypatch):
+def test_on_a_phase_trace_the_bank_or_a_streak_hands_the_turn_to_lru_in_time(monkeypatch):
     # gemma-3-27b's layout (five sliding groups of W 1024 to one full), 3,002 blocks a group, 2 running,
-    # chunk 128: the --unseen grid's phase cell of seed 103, draw 1. The credit stands at 19,377 tokens when
-    # the phase turns; with the credit alone the tiers lose it and more before LRU takes over,
-    # ending 9,824 hit tokens below the simulated LRU on its own schedule (255,776 against 265,600). Three
-    # losses in a row, with more exposed than the credit, hand the order to LRU at once, and the surplus given
-    # back once the exposure has turned over brings the tiers back for the next phase: 270,832, above LRU.
+    # chunk 128: the --unseen grid's phase cell of seed 103, draw 1. With a pool's worth banked (the surplus
+    # share out of the way) the credit stands at 19,377 tokens when the phase turns; with the credit alone
+    # the tiers lose it and more before LRU takes over, ending 9,824 hit tokens below the simulated LRU on
+    # its own schedule (255,776 against 265,600). Three losses in a row, with more exposed than the credit,
+    # hand the order to LRU at once, and the surplus given back once the exposure has turned over brings the
+    # tiers back for the next phase: 270,832. With 2% of the tokens looked up banked (``SURPLUS``) and the
+    # rest in reserve, the turn spends the bank and hands the order to LRU before any streak (none is
+    # counted), and the reserve, given back once the real pool has turned over what LRU held and it lacked,
+    # brings the tiers back sooner: 285,920.
     import retention as bench
 
     d = bench.draw_settings(103, 2, True)[1]
@@ -244,14 +271,17 @@ def test_on_a_phase_trace_a_streak_hands_the_turn_to_lru_in_time_and_gives_the_s
     assert (windows, d.concurrency, d.chunk) == ((1024,) * 5 + (None,), 2, 128)
     workload = bench.workload_of(d, "phase")[0]
 
-    def hits(adapter):
+    def hits():
+        adapter = bench.SwakvAdapter(windows, 3002 * 6 + 1, units=bench.UNITS["gemma3"])
         st = bench.serve(workload, adapter, step_tokens=d.chunk, max_running=d.concurrency)
-        return st["hit_tokens"], st["prompt_tokens"]
-    assert hits(bench.SimAdapter(windows, 3002 * 6 + 1, "lru")) == (265600, 485194)
-    swakv = bench.SwakvAdapter(windows, 3002 * 6 + 1, units=bench.UNITS["gemma3"])
-    assert hits(swakv)[0] == 270832 and swakv.mgr.pool.free.floor.streaks == 1
+        return st["hit_tokens"], st["prompt_tokens"], adapter.mgr.pool.free.floor.streaks
+    assert bench.serve(workload, bench.SimAdapter(windows, 3002 * 6 + 1, "lru"), step_tokens=d.chunk,
+                       max_running=d.concurrency)["hit_tokens"] == 265600
+    assert hits() == (285920, 485194, 0)
+    monkeypatch.setattr(floor_module, "SURPLUS", 1.0)          # a pool's worth banked: the streak's turn
+    assert hits() == (270832, 485194, 1)
     monkeypatch.setattr(floor_module, "STREAK", 10 ** 9)      # no streak: the credit alone
-    assert hits(bench.SwakvAdapter(windows, 3002 * 6 + 1, units=bench.UNITS["gemma3"]))[0] == 255776
+    assert hits() == (255776, 485194, 0)
 
 
 def test_below_zero_the_tiers_get_another_try_once_the_evidence_covers_the_deficit():

@@ -79,4 +79,4 @@ def test_on_small_edit_traces_the_floors_shadow_counts_what_plain_lru_gets_serve
         bench.serve(workload, both, step_tokens=128, max_running=4)
         assert swakv.mgr.pool.free.floor.dense_hits == both.lru_hits
         exact.append(both.lru_hits)
-    assert exact == [7232, 4576, 4704, 10304]
+    assert exact == [6640, 4576, 4704, 10304]     # on swakv's schedule: moves with its hits (the bank: 7,232 before)
