@@ -40,7 +40,9 @@ swakv's run* (``retention_bound``: which requests were admitted and finished whe
 hits runs another schedule, which it does not bound). Last, swakv's floor: the share of
 admissions at which its free queue followed plain LRU (``kvmanager/floor.py``). Then the losing cells,
 each with the tokens it computed in all (prefill, decode, a preempted request's recomputation) against the
-column it lost to, as the hit rate counts first admissions only; the issue's counts (for each tight-pool
+column it lost to, as the hit rate counts first admissions only, and where it stands against the floor's
+reference LRU on its own admissions (behind it, and how much of that the floor wrote off; or ahead, so the loss
+is to LRU's run on its own schedule); the issue's counts (for each tight-pool
 miss: whether its target is above the clairvoyant heuristic, and above the bound), and the gap to the
 clairvoyant heuristic per family. Rows of several seeds (``--report-from`` over their files) make one
 report: each cell named by its seed, the counts summed, and a table of losing cells and tight-pool targets
@@ -538,6 +540,19 @@ def _fmt(v, width=9, digits=3) -> str:
     return f"{v:>{width}.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>{width}}"
 
 
+def _where_lost(floor: dict | None) -> str | None:
+    """Where a losing cell's loss lies, from swakv's floor report: ``behind`` (its reference LRU hit more than
+    ``TOLERANCE`` of the prompt tokens more on swakv's own admissions), ``written off`` (behind, half of it or
+    more written off: the tiers came back on evidence and lost again), ``schedule`` (not behind: the loss is
+    to LRU's run on its own schedule); None without a report."""
+    if not floor or not floor.get("prompt_tokens"):
+        return None
+    behind = (floor["lru_hits"] - floor["hits"]) / floor["prompt_tokens"]
+    if behind <= TOLERANCE:
+        return "schedule"
+    return "written off" if floor.get("forgiven", 0) / floor["prompt_tokens"] >= behind / 2 else "behind"
+
+
 def report(rows: list[dict], plot: str | None = None) -> dict:
     """Every cell side by side, the losing cells, the issue's counts, the gap to the clairvoyant policy; over
     several seeds' rows, each cell named by its seed too and the counts summed over all of them. ``plot``: a
@@ -583,6 +598,7 @@ def report(rows: list[dict], plot: str | None = None) -> dict:
     tally: dict = {}       # (family, layout) -> [cells, losing, targets, met]
     losing, goal_b, short_b, errors = [], 0, [], []
     fewer_computed = 0
+    lost_where: dict[str, int] = {}
     n_a = 0
     gaps: dict = {}
     margins, goals = [], []      # (family, swakv - the better baseline); (family, swakv / target, above clairv.)
@@ -616,6 +632,15 @@ def report(rows: list[dict], plot: str | None = None) -> dict:
                 more = sw["computed"] / winner["computed"] - 1
                 fewer_computed += more < 0
                 computed = f"   computed {abs(more):.1%} {'more' if more >= 0 else 'fewer'} tokens in all"
+            where = _where_lost(sw.get("floor"))
+            if where:
+                lost_where[where] = lost_where.get(where, 0) + 1
+                fl = sw["floor"]
+                ahead = (fl["hits"] - fl["lru_hits"]) / fl["prompt_tokens"]
+                computed += (f"; on its own admissions {abs(ahead):.1%} of the prompt tokens "
+                             f"{'ahead of' if ahead >= 0 else 'behind'} LRU"
+                             + (f" ({fl['forgiven'] / fl['prompt_tokens']:.1%} written off)" if fl.get("forgiven")
+                                else ""))
             losing.append(f"{name(seed, d)} {f}/{lay}/{p}: swakv {sw['hit_rate']:.3f} < {best:.3f} - {TOLERANCE}"
                           + computed)
         if f in GOAL_FAMILIES and p in sorted(pools_of[(seed, d, f, lay)])[:2]:
@@ -643,6 +668,12 @@ def report(rows: list[dict], plot: str | None = None) -> dict:
         print(f"  of these, {fewer_computed} computed fewer tokens in all than that column: the hit rate counts "
               "first admissions only, while a preempted request's recomputation (through the cache) is in the "
               "total")
+    if lost_where:
+        behind = lost_where.get("behind", 0) + lost_where.get("written off", 0)
+        print(f"  of these, {behind} trail the floor's reference LRU on swakv's own admissions by more than "
+              f"{TOLERANCE} of the prompt tokens ({lost_where.get('written off', 0)} of them half or more by write-offs: "
+              f"the tiers came back on evidence and lost again; the rest by the bank and the overshoot), "
+              f"{lost_where.get('schedule', 0)} do not (they lose to LRU's run on its own schedule)")
     print(f"every cell >= the better of {bl} - {TOLERANCE}: {n_a - len(losing)} of {n_a}")
     print(f"two tightest pools, {', '.join(GOAL_FAMILIES)}: >= min(1.10 x the better, the ceiling): {goal_b} of {n_b}")
     for x, _, _ in short_b:

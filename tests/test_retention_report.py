@@ -37,6 +37,32 @@ def test_a_losing_cell_says_how_many_tokens_it_computed_in_all_against_the_colum
     assert "zipf/sliding/400: swakv" not in out
 
 
+def test_a_losing_cell_says_whether_it_trails_lru_on_its_own_admissions_and_how_much_was_written_off(capsys):
+    """From swakv's floor report: behind LRU on the same admissions mostly by write-offs, behind otherwise, or
+    ahead of it (then the loss is to LRU's run on its own schedule)."""
+    computed = {"swakv": 1000, "vllm-dense": 1000, "vllm-sem": 1000}
+    floors = {100: dict(hits=900, lru_hits=1000, prompt_tokens=10000, forgiven=80),     # 1.0% behind, 0.8% off
+              200: dict(hits=800, lru_hits=1000, prompt_tokens=10000, forgiven=0),      # 2.0% behind
+              400: dict(hits=1300, lru_hits=1000, prompt_tokens=10000, forgiven=0)}     # 3.0% ahead
+    rows = []
+    for pool, floor in floors.items():
+        cell = _rows(pool, {"swakv": 0.30, "vllm-dense": 0.40, "vllm-sem": 0.20}, computed)
+        next(r for r in cell if r["system"] == "swakv")["floor"] = floor
+        rows += cell[1:] if rows else cell
+    counts = bench.report(rows)
+    out = capsys.readouterr().out
+    assert counts["losing"] == 3
+    assert ("zipf/sliding/100: swakv 0.300 < 0.400 - 0.005   computed 0.0% more tokens in all; on its own "
+            "admissions 1.0% of the prompt tokens behind LRU (0.8% written off)") in out
+    assert "zipf/sliding/200: swakv 0.300 < 0.400 - 0.005   computed 0.0% more tokens in all; on its own " \
+           "admissions 2.0% of the prompt tokens behind LRU\n" in out
+    assert "zipf/sliding/400: swakv 0.300 < 0.400 - 0.005   computed 0.0% more tokens in all; on its own " \
+           "admissions 3.0% of the prompt tokens ahead of LRU\n" in out
+    assert ("  of these, 2 trail the floor's reference LRU on swakv's own admissions by more than 0.005 of the "
+            "prompt tokens (1 of them half or more by write-offs") in out
+    assert "1 do not (they lose to LRU's run on its own schedule)" in out
+
+
 def test_two_seeds_with_the_same_draw_and_pools_are_counted_apart_and_named_by_their_seed(capsys):
     """Each seed's draw 0 has the same cell names; a report over both keeps both and sums the counts."""
     computed = {"swakv": 1000, "vllm-dense": 1000, "vllm-sem": 1000}
