@@ -671,8 +671,8 @@ def report(rows: list[dict], plot: str | None = None) -> dict:
     if lost_where:
         behind = lost_where.get("behind", 0) + lost_where.get("written off", 0)
         print(f"  of these, {behind} trail the floor's reference LRU on swakv's own admissions by more than "
-              f"{TOLERANCE} of the prompt tokens ({lost_where.get('written off', 0)} of them half or more by write-offs: "
-              f"the tiers came back on evidence and lost again; the rest by the bank and the overshoot), "
+              f"{TOLERANCE} of the prompt tokens ({lost_where.get('written off', 0)} of them half or more by "
+              f"write-offs: the tiers came back on evidence and lost again; the rest by the bank and the overshoot), "
               f"{lost_where.get('schedule', 0)} do not (they lose to LRU's run on its own schedule)")
     print(f"every cell >= the better of {bl} - {TOLERANCE}: {n_a - len(losing)} of {n_a}")
     print(f"two tightest pools, {', '.join(GOAL_FAMILIES)}: >= min(1.10 x the better, the ceiling): {goal_b} of {n_b}")
