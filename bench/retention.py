@@ -540,17 +540,19 @@ def _fmt(v, width=9, digits=3) -> str:
     return f"{v:>{width}.{digits}f}" if isinstance(v, (int, float)) else f"{'-':>{width}}"
 
 
-def _where_lost(floor: dict | None) -> str | None:
-    """Where a losing cell's loss lies, from swakv's floor report: ``behind`` (its reference LRU hit more than
-    ``TOLERANCE`` of the prompt tokens more on swakv's own admissions), ``written off`` (behind, half of it or
-    more written off: the tiers came back on evidence and lost again), ``schedule`` (not behind: the loss is
-    to LRU's run on its own schedule); None without a report."""
+def _against_lru(floor: dict | None) -> tuple[str, str] | None:
+    """Where a losing cell's loss lies, from swakv's floor report: the kind, ``behind`` (its reference LRU hit
+    more than ``TOLERANCE`` of the prompt tokens more on swakv's own admissions), ``written off`` (behind, half
+    of it or more written off: the tiers came back on evidence and lost again) or ``schedule`` (not behind: the
+    loss is to LRU's run on its own schedule), and the clause the report prints; None without a report."""
     if not floor or not floor.get("prompt_tokens"):
         return None
-    behind = (floor["lru_hits"] - floor["hits"]) / floor["prompt_tokens"]
-    if behind <= TOLERANCE:
-        return "schedule"
-    return "written off" if floor.get("forgiven", 0) / floor["prompt_tokens"] >= behind / 2 else "behind"
+    tokens = floor["prompt_tokens"]
+    ahead, off = (floor["hits"] - floor["lru_hits"]) / tokens, floor.get("forgiven", 0) / tokens
+    kind = "schedule" if -ahead <= TOLERANCE else "written off" if off >= -ahead / 2 else "behind"
+    clause = (f"; on its own admissions {abs(ahead):.1%} of the prompt tokens {'ahead of' if ahead >= 0 else 'behind'}"
+              f" LRU" + (f" ({off:.1%} written off)" if off else ""))
+    return kind, clause
 
 
 def report(rows: list[dict], plot: str | None = None) -> dict:
@@ -632,15 +634,10 @@ def report(rows: list[dict], plot: str | None = None) -> dict:
                 more = sw["computed"] / winner["computed"] - 1
                 fewer_computed += more < 0
                 computed = f"   computed {abs(more):.1%} {'more' if more >= 0 else 'fewer'} tokens in all"
-            where = _where_lost(sw.get("floor"))
+            where = _against_lru(sw.get("floor"))
             if where:
-                lost_where[where] = lost_where.get(where, 0) + 1
-                fl = sw["floor"]
-                ahead = (fl["hits"] - fl["lru_hits"]) / fl["prompt_tokens"]
-                computed += (f"; on its own admissions {abs(ahead):.1%} of the prompt tokens "
-                             f"{'ahead of' if ahead >= 0 else 'behind'} LRU"
-                             + (f" ({fl['forgiven'] / fl['prompt_tokens']:.1%} written off)" if fl.get("forgiven")
-                                else ""))
+                lost_where[where[0]] = lost_where.get(where[0], 0) + 1
+                computed += where[1]
             losing.append(f"{name(seed, d)} {f}/{lay}/{p}: swakv {sw['hit_rate']:.3f} < {best:.3f} - {TOLERANCE}"
                           + computed)
         if f in GOAL_FAMILIES and p in sorted(pools_of[(seed, d, f, lay)])[:2]:
