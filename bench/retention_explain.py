@@ -5,9 +5,11 @@ and which evictions cost the hits LRU's pool would have served.
 a ``Trace`` attached to swakv's manager, and prints:
 
 - the hit rate next to the simulated LRU's on its own schedule, and the hit tokens the floor counts next to
-  its shadow's (LRU's hits on swakv's schedule) and those of LRU served that schedule exactly
+  its reference's (LRU's hits on swakv's schedule) and those of LRU served that schedule exactly
   (``SameSchedule``): where the shadow and the exact figure differ, the shadow is off; where the exact
-  figure and LRU's own run differ, the schedule is, and the floor cannot see that part of the gap. The hit
+  figure and LRU's own run differ, the schedule is, and the floor cannot see that part of the gap. Run
+  with vLLM importable, vLLM 0.33's dense and sem. managers are served the schedule too, next to each
+  shadow (``vllm_same_schedule``: the sparse shadow is swakv's model of vLLM sem., not vLLM's rule). The hit
   rate counts first admissions; the floor counts every admission, so where requests are preempted swakv
   can lead its shadow and still trail LRU's hit rate;
 - the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
@@ -243,6 +245,27 @@ def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) 
     return rows
 
 
+def vllm_same_schedule(workload, windows, layout: str, num_blocks: int, kw: dict) -> dict:
+    """vLLM 0.33's own managers (dense, sem.) served swakv's schedule: their hit tokens at every admission, what
+    the floor's two shadows estimate (``{}`` where vLLM is not importable; None for one whose pool ran short).
+    The sparse shadow follows swakv's own notion of where a dropped window can still be hit, which is not
+    vLLM's (it caches a sliding block only in the window below a prompt's replay boundary or a junction)."""
+    import retention as R
+    vllm = R.vllm_adapter_class()
+    if vllm is None:
+        return {}
+    out = {}
+    for system in ("vllm-dense", "vllm-sem"):
+        both = SameSchedule(R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout)),
+                            vllm(windows, num_blocks, semantic=system == "vllm-sem"))
+        try:
+            R.serve(workload, both, **kw)
+            out[system] = both.lru_hits
+        except RuntimeError:
+            out[system] = None
+    return out
+
+
 def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False,
             near: float = 1.0) -> None:
     import retention as R
@@ -272,8 +295,18 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     print(f"hit tokens at first admissions (the hit rate's): swakv {stats['hit_tokens']:,}; LRU on its own "
           f"schedule {lru['hit_tokens']:,}")
     print(f"hit tokens at every admission (the floor's account, re-admissions after preemption included): swakv "
-          f"{floor.hits:,}; LRU on swakv's schedule: the floor's shadow {floor.lru_hits:,}, served exactly "
-          f"{both.lru_hits:,}")
+          f"{floor.hits:,}; LRU on swakv's schedule: the floor's reference (its dense or sparse shadow, as it "
+          f"chose admission by admission) {floor.lru_hits:,}, the simulated LRU (vLLM dense's order) served "
+          f"exactly {both.lru_hits:,}")
+    shadows = f"dense {floor.dense_hits:,}" + (f", sparse {floor.sparse_hits:,}" if floor.sparse is not None else "")
+    served = vllm_same_schedule(workload, windows, layout, num_blocks, kw)
+    if served:
+        shown = ", ".join(f"{'dense' if k == 'vllm-dense' else 'sem.'} " + ("ran short" if v is None else f"{v:,}")
+                          for k, v in served.items())
+        print(f"vLLM 0.33 served swakv's schedule: {shown}; the floor's shadows: {shadows}")
+    else:
+        print(f"the floor's shadows: {shadows} (vLLM 0.33 served the same schedule: run with "
+              f"/tmp/vllm-venv/bin/python)")
     print(f"floor: written off {floor.forgiven:,.0f} tokens; credit at the end {floor.credit:,.0f} (lowest "
           f"{floor.lowest:,.0f}); followed LRU at {floor.lru_admissions}/{floor.admissions} admissions, "
           f"{floor.switches} switches")
