@@ -10,11 +10,14 @@ seed 127399297: dense 0.188, sparse 0.617), while an edit that cuts a history an
 dense keeps (edit sliding 3049, seed 133950997: 0.746 against 0.660). ``Floor`` replays both from the hashes
 alone: a ``Shadow`` holds the ``(group, hash)`` a pool of the same size would still hold free had it evicted
 in that LRU order (``sparse`` exists where a group drops blocks, and never holds what tier 1 is for: dropped
-windows below no fork, no prompt end and no last message). Both pools hold the same blocks for running
-requests, so an LRU's free cached blocks fit in the units the real pool's free cached blocks take
-(``trim``). Every lookup is also run against each shadow and those held blocks, so at each admission ``i``
-the manager knows the hit it granted, ``h_i``, and each LRU's, ``d_i`` and ``s_i`` (with ``P_i`` tokens
-looked up). The **reference** starts dense and changes only on a pool's worth of evidence: with
+windows below no fork, no prompt end and no last message). The dense one is vLLM dense to the token on 10 of
+the 11 schedules checked; the sparse one is swakv's model of vLLM's rule, not the rule: it also holds a
+request's end window and its last message's windows, which vLLM 0.33 never caches, and served swakv's own
+schedule vLLM sem. hit twice what it counts on one edit trace (docs/retention-rounds.md, forty-third round).
+Both pools hold the same blocks for running requests, so an LRU's free cached blocks fit in the units the real
+pool's free cached blocks take (``trim``). Every lookup is also run against each shadow and those held blocks,
+so at each admission ``i`` the manager knows the hit it granted, ``h_i``, and each LRU's, ``d_i`` and ``s_i``
+(with ``P_i`` tokens looked up). The **reference** starts dense and changes only on a pool's worth of evidence: with
 ``lead_i = clamp(lead_{i-1} + s_i - d_i, +-cap)``, it turns sparse once the lead reaches ``+cap``, dense
 again once it reaches ``-cap`` (changing at every sign of the lead, the floor followed the sparse LRU after
 the loss of a single prompt and traded as many losing cells in as out: docs/retention-rounds.md,
