@@ -246,7 +246,7 @@ def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) 
 
 
 def vllm_same_schedule(workload, windows, layout: str, num_blocks: int, kw: dict) -> dict:
-    """vLLM 0.33's own managers (dense, sem.) served swakv's schedule: their hit tokens at every admission, what
+    """vLLM 0.33's own managers (``dense``, ``sem.``) served swakv's schedule: their hit tokens at every admission, what
     the floor's two shadows estimate (``{}`` where vLLM is not importable; None for one whose pool ran short).
     The sparse shadow follows swakv's own notion of where a dropped window can still be hit, which is not
     vLLM's (it caches a sliding block only in the window below a prompt's replay boundary or a junction)."""
@@ -255,14 +255,14 @@ def vllm_same_schedule(workload, windows, layout: str, num_blocks: int, kw: dict
     if vllm is None:
         return {}
     out = {}
-    for system in ("vllm-dense", "vllm-sem"):
+    for name, semantic in (("dense", False), ("sem.", True)):
         both = SameSchedule(R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout)),
-                            vllm(windows, num_blocks, semantic=system == "vllm-sem"))
+                            vllm(windows, num_blocks, semantic=semantic))
         try:
             R.serve(workload, both, **kw)
-            out[system] = both.lru_hits
+            out[name] = both.lru_hits
         except RuntimeError:
-            out[system] = None
+            out[name] = None
     return out
 
 
@@ -301,8 +301,7 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     shadows = f"dense {floor.dense_hits:,}" + (f", sparse {floor.sparse_hits:,}" if floor.sparse is not None else "")
     served = vllm_same_schedule(workload, windows, layout, num_blocks, kw)
     if served:
-        shown = ", ".join(f"{'dense' if k == 'vllm-dense' else 'sem.'} " + ("ran short" if v is None else f"{v:,}")
-                          for k, v in served.items())
+        shown = ", ".join(f"{k} " + ("ran short" if v is None else f"{v:,}") for k, v in served.items())
         print(f"vLLM 0.33 served swakv's schedule: {shown}; the floor's shadows: {shadows}")
     else:
         print(f"the floor's shadows: {shadows} (vLLM 0.33 served the same schedule: run with "
