@@ -9,9 +9,12 @@ a ``Trace`` attached to swakv's manager, and prints:
   (``SameSchedule``): where the shadow and the exact figure differ, the shadow is off; where the exact
   figure and LRU's own run differ, the schedule is, and the floor cannot see that part of the gap. Run
   with vLLM importable, vLLM 0.33's dense and sem. managers are served the schedule too, next to each
-  shadow (``vllm_same_schedule``: the sparse shadow is swakv's model of vLLM sem., not vLLM's rule). The hit
-  rate counts first admissions; the floor counts every admission, so where requests are preempted swakv
-  can lead its shadow and still trail LRU's hit rate;
+  shadow (``vllm_same_schedule``: the sparse shadow is swakv's model of vLLM sem., not vLLM's rule). Then
+  swakv's tiers alone (its floor switched off, ``tiers_alone``) served the same schedule: swakv's hits less
+  theirs are what the floor did on this cell, lost or won (on 73 losing cells of both grids it lost on 19:
+  docs/retention-rounds.md, forty-fourth round). The hit rate counts first admissions; the floor counts
+  every admission, so where requests are preempted swakv can lead its shadow and still trail LRU's hit
+  rate;
 - the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
 - a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
   in force (the tiers with tier 3 in LRU order, or by count on full attention, youngest-first, or LRU below
@@ -169,41 +172,41 @@ class Trace:
 
 
 class SameSchedule:
-    """swakv's adapter, with plain LRU (``retention_sim``: vLLM dense's order) served the same schedule: each
-    request admitted, preempted and finished when swakv's is. Where LRU's own hit is shorter it computes the
-    difference within the admission's step; longer, it waits for swakv's request to catch up. Its hits are
-    what the floor's shadow estimates without a second pool: where the two differ the shadow is off, where
-    this and LRU's own run differ the schedule is."""
+    """swakv's adapter, with a ``twin`` manager (plain LRU, vLLM's, or swakv's tiers alone) served the same
+    schedule: each request admitted, preempted and finished when swakv's is. Where the twin's hit is shorter
+    it computes the difference within the admission's step; longer, it waits for swakv's request to catch up.
+    Plain LRU's hits there are what the floor's shadow estimates without a second pool: where the two differ
+    the shadow is off, where this and LRU's own run differ the schedule is."""
 
-    def __init__(self, swakv, lru):
-        self.swakv, self.lru = swakv, lru
-        self.twins: dict = {}           # swakv's request -> LRU's
-        self.lru_hits = 0               # LRU's hit tokens at every admission (the floor's count)
-        self._found = None              # LRU's lookup for the request being admitted
+    def __init__(self, swakv, twin):
+        self.swakv, self.twin = swakv, twin
+        self.twins: dict = {}           # swakv's request -> the twin's
+        self.twin_hits = 0              # the twin's hit tokens at every admission (the floor's count)
+        self._found = None              # the twin's lookup for the request being admitted
 
     def request(self, rid: str, prompt):
         req = self.swakv.request(rid, prompt)
-        self.twins[id(req)] = self.lru.request(rid, prompt)
+        self.twins[id(req)] = self.twin.request(rid, prompt)
         return req
 
     def lookup(self, req):
-        self._found = self.lru.lookup(self.twins[id(req)])
+        self._found = self.twin.lookup(self.twins[id(req)])
         return self.swakv.lookup(req)
 
     def allocate(self, req, n: int, hit: int = 0, blocks=None) -> bool:
         if not self.swakv.allocate(req, n, hit, blocks):
             return False
         twin = self.twins[id(req)]
-        if blocks is not None:          # an admission: LRU takes its own hit
-            lru_blocks, lru_hit = self._found
-            ok = self.lru.allocate(twin, max(0, hit + n - lru_hit), lru_hit, lru_blocks)
-            twin.num_computed_tokens += lru_hit
-            self.lru_hits += lru_hit
+        if blocks is not None:          # an admission: the twin takes its own hit
+            twin_blocks, twin_hit = self._found
+            ok = self.twin.allocate(twin, max(0, hit + n - twin_hit), twin_hit, twin_blocks)
+            twin.num_computed_tokens += twin_hit
+            self.twin_hits += twin_hit
         else:
             behind = req.num_computed_tokens + n - twin.num_computed_tokens
-            ok = behind <= 0 or self.lru.allocate(twin, behind)
+            ok = behind <= 0 or self.twin.allocate(twin, behind)
         if not ok:
-            raise RuntimeError("plain LRU's pool ran short on swakv's schedule")
+            raise RuntimeError("the twin's pool ran short on swakv's schedule")
         return True
 
     def admitted(self, req, hit: int, index: int) -> None:
@@ -216,15 +219,44 @@ class SameSchedule:
 
     def append(self, req, token: int) -> None:
         self.swakv.append(req, token)
-        self.lru.append(self.twins[id(req)], token)
+        self.twin.append(self.twins[id(req)], token)
 
     def preempt(self, req) -> None:
         self.swakv.preempt(req)
-        self.lru.preempt(self.twins[id(req)])
+        self.twin.preempt(self.twins[id(req)])
 
     def free(self, req) -> None:
         self.swakv.free(req)
-        self.lru.free(self.twins.pop(id(req)))
+        self.twin.free(self.twins.pop(id(req)))
+
+
+class _NoFloor(Floor):
+    """A floor that counts and never acts: its free queue follows the tiers throughout."""
+    __slots__ = ()
+
+    def admitted(self, hit: int, lru_hit: int, prompt_tokens: int, sparse_hit: int = -1) -> None:
+        self.admissions += 1
+        self.hits += hit
+        self.prompt_tokens += prompt_tokens
+
+
+def tiers_alone(windows, layout: str, num_blocks: int):
+    """swakv's adapter with its floor switched off (as a debugger would: the floor's class swapped)."""
+    import retention as R
+    adapter = R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout))
+    adapter.mgr.pool.free.floor.__class__ = _NoFloor
+    return adapter
+
+
+def same_schedule_hits(workload, windows, layout: str, num_blocks: int, twin, kw: dict) -> int | None:
+    """The ``twin``'s hit tokens at every admission, served swakv's schedule (None: its pool ran short)."""
+    import retention as R
+    both = SameSchedule(R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout)), twin)
+    try:
+        R.serve(workload, both, **kw)
+    except RuntimeError:
+        return None
+    return both.twin_hits
 
 
 def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) -> list[tuple[int, float, float]]:
@@ -254,16 +286,8 @@ def vllm_same_schedule(workload, windows, layout: str, num_blocks: int, kw: dict
     vllm = R.vllm_adapter_class()
     if vllm is None:
         return {}
-    out = {}
-    for name, semantic in (("dense", False), ("sem.", True)):
-        both = SameSchedule(R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout)),
-                            vllm(windows, num_blocks, semantic=semantic))
-        try:
-            R.serve(workload, both, **kw)
-            out[name] = both.lru_hits
-        except RuntimeError:
-            out[name] = None
-    return out
+    return {name: same_schedule_hits(workload, windows, layout, num_blocks, vllm(windows, num_blocks, semantic=sem), kw)
+            for name, sem in (("dense", False), ("sem.", True))}
 
 
 def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False,
@@ -297,7 +321,7 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     print(f"hit tokens at every admission (the floor's account, re-admissions after preemption included): swakv "
           f"{floor.hits:,}; LRU on swakv's schedule: the floor's reference (its dense or sparse shadow, as it "
           f"chose admission by admission) {floor.lru_hits:,}, the simulated LRU (vLLM dense's order) served "
-          f"exactly {both.lru_hits:,}")
+          f"exactly {both.twin_hits:,}")
     shadows = f"dense {floor.dense_hits:,}" + (f", sparse {floor.sparse_hits:,}" if floor.sparse is not None else "")
     served = vllm_same_schedule(workload, windows, layout, num_blocks, kw)
     if served:
@@ -306,6 +330,9 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     else:
         print(f"the floor's shadows: {shadows} (vLLM 0.33 served the same schedule: run with "
               f"/tmp/vllm-venv/bin/python)")
+    alone = same_schedule_hits(workload, windows, layout, num_blocks, tiers_alone(windows, layout, num_blocks), kw)
+    print("swakv's tiers alone (its floor switched off) served that schedule: "
+          + ("ran short" if alone is None else f"{alone:,} ({floor.hits - alone:+,}: what the floor did here)"))
     print(f"floor: written off {floor.forgiven:,.0f} tokens; credit at the end {floor.credit:,.0f} (lowest "
           f"{floor.lowest:,.0f}); followed LRU at {floor.lru_admissions}/{floor.admissions} admissions, "
           f"{floor.switches} switches")

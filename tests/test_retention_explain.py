@@ -77,6 +77,26 @@ def test_on_small_edit_traces_the_floors_shadow_counts_what_plain_lru_gets_serve
         swakv = bench.SwakvAdapter((window,), pool + 1)
         both = SameSchedule(swakv, bench.SimAdapter((window,), pool + 1, "lru"))
         bench.serve(workload, both, step_tokens=128, max_running=4)
-        assert swakv.mgr.pool.free.floor.dense_hits == both.lru_hits
-        exact.append(both.lru_hits)
+        assert swakv.mgr.pool.free.floor.dense_hits == both.twin_hits
+        exact.append(both.twin_hits)
     assert exact == [6640, 4576, 4704, 10304]     # on swakv's schedule: moves with its hits (the bank: 7,232 before)
+
+
+def test_swakvs_tiers_alone_served_its_schedule_never_follow_lru_and_match_it_where_its_floor_never_acts():
+    # ``tiers_alone`` is the twin that says what the floor did on a cell (swakv's hits minus the tiers' own on
+    # the same schedule). Its floor must never act, and where swakv's own floor never acts either (a pool
+    # that holds the whole trace) the two managers are one policy, so their hits are equal to the token.
+    import retention as bench
+    from retention_explain import SameSchedule, tiers_alone
+    from retention_workloads import edit
+
+    workload = edit(0, sessions=10, turns=6, first=(100, 400), message=(20, 150), answer=(20, 150))
+    for pool, floor_acts in ((184, True), (4000, False)):
+        swakv = bench.SwakvAdapter((128,), pool + 1)
+        both = SameSchedule(swakv, tiers_alone((128,), "sliding", pool + 1))
+        bench.serve(workload, both, step_tokens=128, max_running=4)
+        floor, alone = swakv.mgr.pool.free.floor, both.twin.mgr.pool.free.floor
+        assert (alone.admissions, alone.switches, alone.lru_admissions) == (60, 0, 0)
+        assert (floor.switches > 0) is floor_acts
+        if not floor_acts:
+            assert both.twin_hits == floor.hits > 0
