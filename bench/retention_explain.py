@@ -5,17 +5,19 @@ and which evictions cost the hits LRU's pool would have served.
 a ``Trace`` attached to swakv's manager, and prints:
 
 - the hit rate next to the simulated LRU's on its own schedule, and the hit tokens the floor counts next to
-  its reference's (LRU's hits on swakv's schedule) and those of LRU served that schedule exactly
-  (``SameSchedule``): where the shadow and the exact figure differ, the shadow is off; where the exact
-  figure and LRU's own run differ, the schedule is, and the floor cannot see that part of the gap. Run
-  with vLLM importable, vLLM 0.33's dense and sem. managers are served the schedule too, next to each
-  shadow (``vllm_same_schedule``: the sparse shadow is swakv's model of vLLM sem., not vLLM's rule). Then
-  swakv's tiers alone (its floor switched off, ``tiers_alone``) served the same schedule: swakv's hits less
-  theirs are what the floor did on this cell, lost or won (on 73 losing cells of both grids it lost on 19:
-  docs/retention-rounds.md, forty-fourth round). The hit rate counts first admissions; the floor counts
-  every admission, so where requests are preempted swakv can lead its shadow and still trail LRU's hit
-  rate;
-- the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU;
+  its reference's (LRU's hits on swakv's schedule) and those of twins served that schedule exactly, all in
+  swakv's one run (``SameSchedule``; a twin whose pool runs short there drops out): the simulated LRU
+  (where the shadow and it differ, the shadow is off; where it and LRU's own run differ, the schedule is,
+  and the floor cannot see that part of the gap), vLLM 0.33's dense and sem. managers where vLLM is
+  importable (the sparse shadow is swakv's model of vLLM sem., not vLLM's rule), and swakv's tiers alone
+  (its floor switched off, ``tiers_alone``): swakv's hits less theirs are what the floor did on this cell,
+  lost or won (on 73 losing cells of both grids it lost on 19: docs/retention-rounds.md, forty-fourth
+  round). The hit rate counts first admissions; the floor counts every admission, so where requests are
+  preempted swakv can lead its shadow and still trail LRU's hit rate;
+- the floor's account: write-offs, the credit at the end, the share of admissions it followed LRU; its
+  stated bound's terms (``bound_terms``), and swakv's gap to the better vLLM column on its schedule split in
+  two (``parts``): that column over the floor's reference (what the shadows miss), the reference over
+  swakv (what the floor let go: slack, write-offs, overshoot, less the margin);
 - a timeline every ``--every`` admissions: hit tokens minus the shadow's so far, the credit, the order
   in force (the tiers with tier 3 in LRU order, or by count on full attention, youngest-first, or LRU below
   the floor);
@@ -32,6 +34,8 @@ a ``Trace`` attached to swakv's manager, and prints:
   blocks, 0.719 at 3157).
 
     python bench/retention_explain.py --seed 541911745 --draw 2 --family edit --layout gemma3 --pool 4293
+
+``--cells FILE`` does the accounting alone for many cells (the grid's losers, say), one row each.
 
 It reads the free queue's private state (``kvmanager/free_queue.py``), as a debugger would;
 tests/test_retention_explain.py keeps it in step.
@@ -172,41 +176,47 @@ class Trace:
 
 
 class SameSchedule:
-    """swakv's adapter, with a ``twin`` manager (plain LRU, vLLM's, or swakv's tiers alone) served the same
-    schedule: each request admitted, preempted and finished when swakv's is. Where the twin's hit is shorter
-    it computes the difference within the admission's step; longer, it waits for swakv's request to catch up.
-    Plain LRU's hits there are what the floor's shadow estimates without a second pool: where the two differ
-    the shadow is off, where this and LRU's own run differ the schedule is."""
+    """swakv's adapter with ``twins`` (name -> manager: plain LRU, vLLM's, swakv's tiers alone) served the same
+    schedule, all in one run: each request admitted, preempted and finished when swakv's is. Where a twin's
+    hit is shorter it computes the difference within the admission's step; longer, it waits for swakv's
+    request to catch up. A twin whose pool runs short on that schedule drops out (its hits: None); the others
+    go on. Plain LRU's hits there are what the floor's shadow estimates without a second pool: where the two
+    differ the shadow is off, where this and LRU's own run differ the schedule is."""
 
-    def __init__(self, swakv, twin):
-        self.swakv, self.twin = swakv, twin
-        self.twins: dict = {}           # swakv's request -> the twin's
-        self.twin_hits = 0              # the twin's hit tokens at every admission (the floor's count)
-        self._found = None              # the twin's lookup for the request being admitted
+    def __init__(self, swakv, twins: dict):
+        self.swakv, self.twins = swakv, dict(twins)
+        self.hits: dict[str, int | None] = dict.fromkeys(self.twins, 0)   # at every admission (the floor's count)
+        self._requests: dict = {}       # swakv's request -> {twin: the twin's}
+        self._found: dict = {}          # each twin's lookup for the request being admitted
+
+    def _live(self, req):
+        return [(name, self.twins[name], twin) for name, twin in self._requests[id(req)].items()
+                if self.hits[name] is not None]
 
     def request(self, rid: str, prompt):
         req = self.swakv.request(rid, prompt)
-        self.twins[id(req)] = self.twin.request(rid, prompt)
+        self._requests[id(req)] = {name: t.request(rid, prompt) for name, t in self.twins.items()
+                                   if self.hits[name] is not None}
         return req
 
     def lookup(self, req):
-        self._found = self.twin.lookup(self.twins[id(req)])
+        self._found = {name: t.lookup(twin) for name, t, twin in self._live(req)}
         return self.swakv.lookup(req)
 
     def allocate(self, req, n: int, hit: int = 0, blocks=None) -> bool:
         if not self.swakv.allocate(req, n, hit, blocks):
             return False
-        twin = self.twins[id(req)]
-        if blocks is not None:          # an admission: the twin takes its own hit
-            twin_blocks, twin_hit = self._found
-            ok = self.twin.allocate(twin, max(0, hit + n - twin_hit), twin_hit, twin_blocks)
-            twin.num_computed_tokens += twin_hit
-            self.twin_hits += twin_hit
-        else:
-            behind = req.num_computed_tokens + n - twin.num_computed_tokens
-            ok = behind <= 0 or self.twin.allocate(twin, behind)
-        if not ok:
-            raise RuntimeError("the twin's pool ran short on swakv's schedule")
+        for name, t, twin in self._live(req):
+            if blocks is not None:          # an admission: the twin takes its own hit
+                twin_blocks, twin_hit = self._found[name]
+                ok = t.allocate(twin, max(0, hit + n - twin_hit), twin_hit, twin_blocks)
+                twin.num_computed_tokens += twin_hit
+                self.hits[name] += twin_hit
+            else:
+                behind = req.num_computed_tokens + n - twin.num_computed_tokens
+                ok = behind <= 0 or t.allocate(twin, behind)
+            if not ok:
+                self.hits[name] = None      # its pool ran short on swakv's schedule: it drops out
         return True
 
     def admitted(self, req, hit: int, index: int) -> None:
@@ -214,20 +224,24 @@ class SameSchedule:
 
     def advance(self, req, n: int) -> None:
         self.swakv.advance(req, n)
-        twin = self.twins[id(req)]
-        twin.num_computed_tokens = max(twin.num_computed_tokens, req.num_computed_tokens)
+        for _, _, twin in self._live(req):
+            twin.num_computed_tokens = max(twin.num_computed_tokens, req.num_computed_tokens)
 
     def append(self, req, token: int) -> None:
         self.swakv.append(req, token)
-        self.twin.append(self.twins[id(req)], token)
+        for _, t, twin in self._live(req):
+            t.append(twin, token)
 
     def preempt(self, req) -> None:
         self.swakv.preempt(req)
-        self.twin.preempt(self.twins[id(req)])
+        for _, t, twin in self._live(req):
+            t.preempt(twin)
 
     def free(self, req) -> None:
         self.swakv.free(req)
-        self.twin.free(self.twins.pop(id(req)))
+        for _, t, twin in self._live(req):
+            t.free(twin)
+        del self._requests[id(req)]
 
 
 class _NoFloor(Floor):
@@ -248,15 +262,33 @@ def tiers_alone(windows, layout: str, num_blocks: int):
     return adapter
 
 
-def same_schedule_hits(workload, windows, layout: str, num_blocks: int, twin, kw: dict) -> int | None:
-    """The ``twin``'s hit tokens at every admission, served swakv's schedule (None: its pool ran short)."""
+def twins(windows, layout: str, num_blocks: int) -> dict:
+    """Every twin ``explain`` serves swakv's schedule: the simulated LRU (vLLM dense's order), vLLM 0.33's dense
+    and sem. managers where vLLM is importable (the sparse shadow is swakv's model of vLLM sem., not vLLM's
+    rule: vLLM caches a sliding block only in the window below a prompt's replay boundary or a junction),
+    and swakv's tiers alone: swakv's hits less theirs are what the floor did on the cell."""
     import retention as R
-    both = SameSchedule(R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout)), twin)
-    try:
-        R.serve(workload, both, **kw)
-    except RuntimeError:
-        return None
-    return both.twin_hits
+    out = {"LRU": R.SimAdapter(windows, num_blocks, "lru")}
+    vllm = R.vllm_adapter_class()
+    if vllm is not None:
+        out["vLLM dense"] = vllm(windows, num_blocks, semantic=False)
+        out["vLLM sem."] = vllm(windows, num_blocks, semantic=True)
+    out["tiers alone"] = tiers_alone(windows, layout, num_blocks)
+    return out
+
+
+def _tokens(hits: int | None) -> str:
+    return "ran short" if hits is None else f"{hits:,}"
+
+
+def bound_terms(floor) -> dict:
+    """The floor's stated bound at the end of a run (``kvmanager/floor.py``), in tokens at every admission:
+    ``hits >= reference - slack - forgiven - overshoot``; ``margin`` is by how much it held."""
+    slack = floor.slack * floor.prompt_tokens
+    overshoot = max(0.0, -floor.credit)
+    return {"hits": floor.hits, "reference_hits": floor.lru_hits, "slack": slack, "forgiven": floor.forgiven,
+            "overshoot": overshoot,
+            "margin": floor.hits - (floor.lru_hits - slack - floor.forgiven - overshoot)}
 
 
 def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) -> list[tuple[int, float, float]]:
@@ -277,21 +309,9 @@ def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) 
     return rows
 
 
-def vllm_same_schedule(workload, windows, layout: str, num_blocks: int, kw: dict) -> dict:
-    """vLLM 0.33's own managers (``dense``, ``sem.``) served swakv's schedule: their hit tokens at every admission, what
-    the floor's two shadows estimate (``{}`` where vLLM is not importable; None for one whose pool ran short).
-    The sparse shadow follows swakv's own notion of where a dropped window can still be hit, which is not
-    vLLM's (it caches a sliding block only in the window below a prompt's replay boundary or a junction)."""
-    import retention as R
-    vllm = R.vllm_adapter_class()
-    if vllm is None:
-        return {}
-    return {name: same_schedule_hits(workload, windows, layout, num_blocks, vllm(windows, num_blocks, semantic=sem), kw)
-            for name, sem in (("dense", False), ("sem.", True))}
-
-
-def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False,
-            near: float = 1.0) -> None:
+def serve_alike(seed: int, draw: int, family: str, layout: str, pool: int, unseen: bool = False):
+    """Serve one cell of the grid as it does, swakv traced and every twin on its schedule in the same run:
+    ``(settings, workload, serve's keywords, swakv's stats, its floor, the SameSchedule, the Trace)``."""
     import retention as R
     d = R.draw_settings(seed, draw + 1, unseen)[draw]
     workload, _ = R.workload_of(d, family)
@@ -301,16 +321,36 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     swakv = R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout))
     try:
         with Trace(swakv.mgr) as trace:
-            both = SameSchedule(swakv, R.SimAdapter(windows, num_blocks, "lru"))
-            stats = R.serve(workload, both, **kw)
+            alike = SameSchedule(swakv, twins(windows, layout, num_blocks))
+            stats = R.serve(workload, alike, **kw)
     except RuntimeError as exc:             # a request that fits nowhere: say which pools the grid runs
         ceiling = R.SimAdapter(windows, None)
         R.serve(workload, ceiling, **kw)
         sizes = R.pool_sizes(workload, layout, windows, d.concurrency, len(ceiling.mgr.blocks) - 1)
-        sys.exit(f"{pool} blocks per group is too small for this cell ({exc}); the grid's pools for it: "
-                 f"{', '.join(map(str, sizes))}")
-    lru = R.serve(workload, R.SimAdapter(windows, num_blocks, "lru"), **kw)
-    floor = swakv.mgr.pool.free.floor
+        raise SystemExit(f"{pool} blocks per group is too small for this cell ({exc}); the grid's pools for "
+                         f"it: {', '.join(map(str, sizes))}") from None
+    return d, workload, kw, stats, swakv.mgr.pool.free.floor, alike, trace
+
+
+def parts(floor, hits: dict) -> dict:
+    """swakv's gap to the better vLLM column served its schedule (plain LRU where vLLM is not importable), in
+    tokens at every admission, split where the floor's bound says it comes from: that column
+    less the floor's reference: what its shadows miss of vLLM's rules and its lag in choosing dense or
+    sparse) and what swakv trails the reference by (slack + forgiven + overshoot - margin: the floor's)."""
+    vllm = [hits[k] for k in ("vLLM dense", "vLLM sem.") if hits.get(k) is not None]
+    better = max(vllm) if vllm else hits["LRU"]
+    split = {"gap": None, "vllm_over_reference": None} if better is None else {
+        "gap": better - floor.hits, "vllm_over_reference": better - floor.lru_hits}
+    return {"better": better, **split, "reference_over_swakv": floor.lru_hits - floor.hits, **bound_terms(floor)}
+
+
+def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: int, unseen: bool = False,
+            near: float = 1.0) -> None:
+    import retention as R
+    d, workload, kw, stats, floor, alike, trace = serve_alike(seed, draw, family, layout, pool, unseen)
+    windows = R.windows_of(layout, d.window)
+    lru = R.serve(workload, R.SimAdapter(windows, pool * len(windows) + 1, "lru"), **kw)
+    hits = alike.hits
     print(f"seed {seed} draw {draw} (window {d.window}, {d.concurrency} running, chunk {d.chunk}): "
           f"{family} / {layout} / {pool} blocks per group, {stats['prompt_tokens']:,} prompt tokens at first "
           f"admissions, {floor.prompt_tokens:,} at every admission")
@@ -321,21 +361,30 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
     print(f"hit tokens at every admission (the floor's account, re-admissions after preemption included): swakv "
           f"{floor.hits:,}; LRU on swakv's schedule: the floor's reference (its dense or sparse shadow, as it "
           f"chose admission by admission) {floor.lru_hits:,}, the simulated LRU (vLLM dense's order) served "
-          f"exactly {both.twin_hits:,}")
+          f"exactly {_tokens(hits['LRU'])}")
     shadows = f"dense {floor.dense_hits:,}" + (f", sparse {floor.sparse_hits:,}" if floor.sparse is not None else "")
-    served = vllm_same_schedule(workload, windows, layout, num_blocks, kw)
-    if served:
-        shown = ", ".join(f"{k} " + ("ran short" if v is None else f"{v:,}") for k, v in served.items())
-        print(f"vLLM 0.33 served swakv's schedule: {shown}; the floor's shadows: {shadows}")
+    if "vLLM dense" in hits:
+        print(f"vLLM 0.33 served swakv's schedule: dense {_tokens(hits['vLLM dense'])}, sem. "
+              f"{_tokens(hits['vLLM sem.'])}; the floor's shadows: {shadows}")
     else:
         print(f"the floor's shadows: {shadows} (vLLM 0.33 served the same schedule: run with "
               f"/tmp/vllm-venv/bin/python)")
-    alone = same_schedule_hits(workload, windows, layout, num_blocks, tiers_alone(windows, layout, num_blocks), kw)
+    alone = hits["tiers alone"]
     print("swakv's tiers alone (its floor switched off) served that schedule: "
           + ("ran short" if alone is None else f"{alone:,} ({floor.hits - alone:+,}: what the floor did here)"))
     print(f"floor: written off {floor.forgiven:,.0f} tokens; credit at the end {floor.credit:,.0f} (lowest "
           f"{floor.lowest:,.0f}); followed LRU at {floor.lru_admissions}/{floor.admissions} admissions, "
           f"{floor.switches} switches")
+    p, n = parts(floor, hits), floor.prompt_tokens
+    print(f"the floor's bound: swakv {p['hits']:,} >= reference {p['reference_hits']:,} - slack {p['slack']:,.0f} - "
+          f"written off {p['forgiven']:,.0f} - overshoot {p['overshoot']:,.0f}, by {p['margin']:,.0f}")
+    column = "vLLM column" if "vLLM dense" in hits else "LRU"
+    if p["gap"] is None:
+        print(f"swakv's gap to the better {column} on its schedule: none to take, every such twin ran short")
+    else:
+        print(f"swakv's gap to the better {column} on its schedule: {p['gap'] / n:+.4f} of the tokens looked up = "
+              f"{p['vllm_over_reference'] / n:+.4f} (that column less the floor's reference) "
+              f"{p['reference_over_swakv'] / n:+.4f} (the reference less swakv)")
     print(f"\n{'admission':>9} {'hits - shadow':>14} {'credit':>9}  order")
     total = 0
     for i, (hit, lru_hit, credit, order) in enumerate(trace.admissions, 1):
@@ -364,19 +413,75 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
             print(f"{p:>7} {lru_rate:>6.3f} {rate:>6.3f} {rate - lru_rate:>+10.3f}")
 
 
+def account(cells: list[tuple]) -> None:
+    """One row per cell ``(seed, draw, family, layout, pool, unseen)``: swakv's gap to the better vLLM column
+    served its schedule, split as ``parts`` splits it, and the floor's bound terms, in hit-rate points
+    (tokens at every admission; "short": that twin ran short on swakv's schedule); the sums over every cell
+    at the end (a short twin's part counted as 0)."""
+    cols = ("gap", "vllm_over_reference", "reference_over_swakv", "slack", "forgiven", "overshoot", "margin")
+    print(f"{'cell':<44} {'rate':>6} " + " ".join(f"{c:>8}" for c in ("gap", "vllm-ref", "ref-swakv", "slack",
+                                                                       "forgiven", "oversh.", "margin", "floor did"))
+          + "  switches")
+    sums = dict.fromkeys(cols, 0.0)
+    for seed, draw, family, layout, pool, unseen in cells:
+        name = f"{seed} {draw} {family} {layout} {pool}" + (" unseen" if unseen else "")
+        try:
+            _, _, _, stats, floor, alike, _ = serve_alike(seed, draw, family, layout, pool, unseen)
+        except SystemExit as exc:
+            print(f"{name:<44} {exc}")
+            continue
+        p, n, alone = parts(floor, alike.hits), floor.prompt_tokens, alike.hits["tiers alone"]
+        for c in cols:
+            sums[c] += (p[c] or 0) / n
+        did = "   short" if alone is None else f"{(floor.hits - alone) / n:>+8.4f}"
+        print(f"{name:<44} {stats['hit_rate']:>6.3f} "
+              + " ".join("   short" if p[c] is None else f"{p[c] / n:>+8.4f}" for c in cols)
+              + f" {did}  {floor.switches:>8}", flush=True)
+    print(f"{'summed':<44} {'':>6} " + " ".join(f"{sums[c]:>+8.4f}" for c in cols))
+
+
+def read_cells(path: str) -> list[tuple]:
+    """``seed draw family layout pool [unseen]`` per line (``#`` comments), as the grid's losers print them."""
+    import retention as R
+    cells = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            words = line.split("#")[0].split()
+            if not words:
+                continue
+            try:
+                seed, draw, family, layout, pool = int(words[0]), int(words[1]), words[2], words[3], int(words[4])
+                unseen = words[5:] == ["unseen"]
+                if (family not in R.FAMILIES or layout not in R.LAYOUTS or words[5:] not in ([], ["unseen"])
+                        or draw < 0 or pool < 1):
+                    raise ValueError
+            except (ValueError, IndexError):
+                raise SystemExit(f"{path}:{number}: expected 'seed draw family layout pool [unseen]', got "
+                                 f"{line.strip()!r}") from None
+            cells.append((seed, draw, family, layout, pool, unseen))
+    return cells
+
+
 def main() -> None:
     import retention as R
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seed", type=int, required=True, help="the grid's seed")
-    ap.add_argument("--draw", type=int, required=True, help="the draw (0-based)")
-    ap.add_argument("--family", required=True, choices=list(R.FAMILIES))
-    ap.add_argument("--layout", required=True, choices=list(R.LAYOUTS))
-    ap.add_argument("--pool", type=int, required=True, help="blocks per group, as the grid prints them")
+    ap.add_argument("--seed", type=int, help="the grid's seed")
+    ap.add_argument("--draw", type=int, help="the draw (0-based)")
+    ap.add_argument("--family", choices=list(R.FAMILIES))
+    ap.add_argument("--layout", choices=list(R.LAYOUTS))
+    ap.add_argument("--pool", type=int, help="blocks per group, as the grid prints them")
+    ap.add_argument("--cells", help="instead of one cell: a file of cells ('seed draw family layout pool "
+                    "[unseen]' per line), one row each: the gap to the better vLLM column in parts")
     ap.add_argument("--every", type=int, default=25, help="admissions between timeline rows (default 25)")
     ap.add_argument("--unseen", action="store_true", help="the seed's unseen draws (retention.py --unseen)")
     ap.add_argument("--nearby", type=float, default=1.0,
                     help="also both hit rates at nine pools within this many percent of --pool (0: not)")
     args = ap.parse_args()
+    if args.cells:
+        account(read_cells(args.cells))
+        return
+    if None in (args.seed, args.draw, args.family, args.layout, args.pool):
+        ap.error("give --seed, --draw, --family, --layout and --pool (or --cells)")
     if args.draw < 0 or args.pool < 1 or args.every < 1 or not 0 <= args.nearby < 100:
         ap.error("--draw must be >= 0, --pool and --every >= 1, --nearby in [0, 100)")
     explain(args.seed, args.draw, args.family, args.layout, args.pool, args.every, args.unseen, args.nearby)
