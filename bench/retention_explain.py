@@ -43,6 +43,7 @@ tests/test_retention_explain.py keeps it in step.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections import Counter
@@ -262,6 +263,13 @@ def tiers_alone(windows, layout: str, num_blocks: int):
     return adapter
 
 
+@functools.cache
+def _vllm_adapter_class():
+    """retention's, looked up once (``--cells`` builds twins per cell; where vLLM is missing, it says so once)."""
+    import retention as R
+    return R.vllm_adapter_class()
+
+
 def twins(windows, layout: str, num_blocks: int) -> dict:
     """Every twin ``explain`` serves swakv's schedule: the simulated LRU (vLLM dense's order), vLLM 0.33's dense
     and sem. managers where vLLM is importable (the sparse shadow is swakv's model of vLLM sem., not vLLM's
@@ -269,7 +277,7 @@ def twins(windows, layout: str, num_blocks: int) -> dict:
     and swakv's tiers alone: swakv's hits less theirs are what the floor did on the cell."""
     import retention as R
     out = {"LRU": R.SimAdapter(windows, num_blocks, "lru")}
-    vllm = R.vllm_adapter_class()
+    vllm = _vllm_adapter_class()
     if vllm is not None:
         out["vLLM dense"] = vllm(windows, num_blocks, semantic=False)
         out["vLLM sem."] = vllm(windows, num_blocks, semantic=True)
@@ -419,6 +427,9 @@ def account(cells: list[tuple]) -> None:
     (tokens at every admission; "short": that twin ran short on swakv's schedule); the sums over every cell
     at the end (a short twin's part counted as 0)."""
     cols = ("gap", "vllm_over_reference", "reference_over_swakv", "slack", "forgiven", "overshoot", "margin")
+    print("gap and vllm-ref against " + ("the better of vLLM 0.33 dense and sem." if _vllm_adapter_class() else
+                                         "the simulated LRU (vLLM is not importable here)")
+          + ", served swakv's schedule; hit-rate points of the tokens looked up at every admission")
     print(f"{'cell':<44} {'rate':>6} " + " ".join(f"{c:>8}" for c in ("gap", "vllm-ref", "ref-swakv", "slack",
                                                                        "forgiven", "oversh.", "margin", "floor did"))
           + "  switches")
