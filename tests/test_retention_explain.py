@@ -136,7 +136,7 @@ def test_on_small_edit_traces_swakv_keeps_the_floors_stated_bound_and_its_gap_sp
         bench.serve(workload, both, step_tokens=128, max_running=4)
         floor = swakv.mgr.pool.free.floor
         p = parts(floor, both.hits)
-        assert p["margin"] >= 0
+        assert p["margin"] >= -1e-6       # (the credit sums floats: equal up to rounding where it is tight)
         assert p["slack"] == 0.002 * floor.prompt_tokens
         assert p["better"] == both.hits["LRU"]
         assert p["gap"] == p["vllm_over_reference"] + p["reference_over_swakv"] == both.hits["LRU"] - floor.hits
