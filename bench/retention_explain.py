@@ -342,9 +342,10 @@ def serve_alike(seed: int, draw: int, family: str, layout: str, pool: int, unsee
 
 def parts(floor, hits: dict) -> dict:
     """swakv's gap to the better vLLM column served its schedule (plain LRU where vLLM is not importable), in
-    tokens at every admission, split where the floor's bound says it comes from: that column
-    less the floor's reference: what its shadows miss of vLLM's rules and its lag in choosing dense or
-    sparse) and what swakv trails the reference by (slack + forgiven + overshoot - margin: the floor's)."""
+    tokens at every admission, split in two: that column less the floor's reference (what the shadows miss of
+    vLLM's rules, and the lag in choosing dense or sparse), and the reference less swakv (slack + forgiven +
+    overshoot - margin: what the floor let go). The first two are None where every such twin ran short on
+    swakv's schedule."""
     vllm = [hits[k] for k in ("vLLM dense", "vLLM sem.") if hits.get(k) is not None]
     better = max(vllm) if vllm else hits["LRU"]
     split = {"gap": None, "vllm_over_reference": None} if better is None else {
