@@ -43,6 +43,7 @@ tests/test_retention_explain.py keeps it in step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -317,9 +318,11 @@ def nearby(workload, windows, layout: str, pool: int, percent: float, kw: dict) 
     return rows
 
 
-def serve_alike(seed: int, draw: int, family: str, layout: str, pool: int, unseen: bool = False):
-    """Serve one cell of the grid as it does, swakv traced and every twin on its schedule in the same run:
-    ``(settings, workload, serve's keywords, swakv's stats, its floor, the SameSchedule, the Trace)``."""
+def serve_alike(seed: int, draw: int, family: str, layout: str, pool: int, unseen: bool = False,
+                traced: bool = True):
+    """Serve one cell of the grid as it does, every twin on swakv's schedule in the same run (swakv traced
+    unless ``traced`` is False: ``--cells`` reads no timeline and need not pay for the wrapped methods):
+    ``(settings, workload, serve's keywords, swakv's stats, its floor, the SameSchedule, the Trace or None)``."""
     import retention as R
     d = R.draw_settings(seed, draw + 1, unseen)[draw]
     workload, _ = R.workload_of(d, family)
@@ -328,7 +331,7 @@ def serve_alike(seed: int, draw: int, family: str, layout: str, pool: int, unsee
     num_blocks = pool * len(windows) + 1
     swakv = R.SwakvAdapter(windows, num_blocks, units=R.UNITS.get(layout))
     try:
-        with Trace(swakv.mgr) as trace:
+        with Trace(swakv.mgr) if traced else contextlib.nullcontext() as trace:
             alike = SameSchedule(swakv, twins(windows, layout, num_blocks))
             stats = R.serve(workload, alike, **kw)
     except RuntimeError as exc:             # a request that fits nowhere: say which pools the grid runs
@@ -438,7 +441,7 @@ def account(cells: list[tuple]) -> None:
     for seed, draw, family, layout, pool, unseen in cells:
         name = f"{seed} {draw} {family} {layout} {pool}" + (" unseen" if unseen else "")
         try:
-            _, _, _, stats, floor, alike, _ = serve_alike(seed, draw, family, layout, pool, unseen)
+            _, _, _, stats, floor, alike, _ = serve_alike(seed, draw, family, layout, pool, unseen, traced=False)
         except SystemExit as exc:
             print(f"{name:<44} {exc}")
             continue
