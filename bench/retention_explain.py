@@ -389,7 +389,7 @@ def explain(seed: int, draw: int, family: str, layout: str, pool: int, every: in
           f"{floor.switches} switches")
     p, n = parts(floor, hits), floor.prompt_tokens
     print(f"the floor's bound: swakv {p['hits']:,} >= reference {p['reference_hits']:,} - slack {p['slack']:,.0f} - "
-          f"written off {p['forgiven']:,.0f} - overshoot {p['overshoot']:,.0f}, by {p['margin']:,.0f}")
+          f"written off {p['forgiven']:,.0f} - overshoot {p['overshoot']:,.0f}, by {round(p['margin']):,}")
     column = "vLLM column" if "vLLM dense" in hits else "LRU"
     if p["gap"] is None:
         print(f"swakv's gap to the better {column} on its schedule: none to take, every such twin ran short")
