@@ -48,8 +48,11 @@ next turn queues behind every other session's, so LRU evicts exactly the chain n
 when reuse comes soon. It starts as LRU (the older front of chains and proven blocks goes first) and
 learns from **ghosts**: the hashes of tier-3 blocks it evicted. A lookup that stops where a ghost chain
 goes on (or a ghost's block computed again, where no lookup's walk reached it) votes for keeping old chains
-when LRU evicted it, and against it when youngest-first evicted it
-although LRU would have kept it (the distance to its release, in tier-3 units, was within what tier 3
+when LRU evicted it and keeping them would have served it (a chain's distance to its release, in tier-3 units,
+was within the horizon below: past it youngest-first lets a chain go first too, so a Zipf tail that every order
+misses casts no vote; proven blocks age out only past the longest distance, so theirs always vote), and against
+it when youngest-first evicted it
+although LRU would have kept it (the distance was within what tier 3
 holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
 ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
 anything older than the horizon goes first: chains nobody came back for still age out. The horizon is the
@@ -228,7 +231,7 @@ class FreeQueue:
         self.forks: OrderedDict[bytes, None] = OrderedDict()       # parents seen with two children
         self._ghosts: OrderedDict[bytes, tuple] = OrderedDict()  # hash -> (stamp, youngest-first, evicted
         # while following LRU, chains-or-proven side, frequency side, dropped by a running request, its
-        # session's gap)
+        # session's gap, proven)
         self._distances: deque[int] = deque(maxlen=DISTANCES)
         self._horizon_for: tuple[int, int] | None = None   # (volume, horizon) since the last distance
         self._voted_batches: OrderedDict[int, None] = OrderedDict()  # stamps of the batches that voted
@@ -687,7 +690,7 @@ class FreeQueue:
         the blocks of them LRU's own order evicted in one run from a hit's end): the votes they cast."""
         ghosts = self._ghosts
         stamp, youngest = ghosts[passed[-1]][:2]
-        gap = ghosts[passed[-1]][6]
+        gap, proven = ghosts[passed[-1]][6:8]
         voted = self._voted_batches    # its blocks computed again later cast no second vote
         if gap and stamp not in voted:  # a session's return, counted once
             self._returned(self._clock - stamp, gap)
@@ -718,7 +721,8 @@ class FreeQueue:
         distance = self._clock - stamp
         self._reused_after(distance)
         if not youngest:
-            self._vote(1)               # LRU evicted what was needed: keep old chains
+            if proven or distance <= self._horizon():   # past it, keeping old chains would have lost it too
+                self._vote(1)           # LRU evicted what was needed: keep old chains
         elif distance <= self._reusable_units:
             self._vote(-PENALTY)        # youngest-first evicted what LRU would have kept
             again = self._quick_again
@@ -1038,7 +1042,7 @@ class FreeQueue:
                         if front is not None and order.key(entry) > order.key(front):
                             by_count = 1
                 ghosts[entry.block_hash] = (tier.stamp, tier.young and b is tier, self.floor.follow_lru, side,
-                                            by_count, tier.dropped, tier.gap)
+                                            by_count, tier.dropped, tier.gap, proven)
                 ghosts.move_to_end(entry.block_hash)
                 if len(ghosts) > self._cap:
                     ghosts.popitem(last=False)
