@@ -721,6 +721,17 @@ def test_the_horizon_is_the_keep_time_that_serves_most_recent_reuses_not_the_lon
     assert q.ids() == [10, 11, 12, 13, 21, 20, 19, 18, 17, 16, 15, 14]
 
 
+def _a_hot_session_returns_eight_times(q: FreeQueue) -> None:
+    """From clock 4: a hot session's one-block chain, two other one-block chains (ids 13..28, one by one), then
+    its return: eight reuses at distance 2, within what tier 3 holds (LRU served them); clock 28."""
+    hot, fill = _blocks(5, 8, "h"), _blocks(13, 16, "f")
+    for i, h in enumerate(hot):
+        _release(q, [h])
+        _release(q, [fill[2 * i]])
+        _release(q, [fill[2 * i + 1]])
+        q.remove(h)
+
+
 def test_a_ghost_lru_evicted_past_the_horizon_casts_no_vote_keeping_old_chains_would_have_lost_it_too():
     # zipf sessions: hot sessions come back within what tier 3 holds, the long tail after far more. LRU misses
     # the tail, and so does keeping old chains: youngest-first lets a chain past the horizon go first too. Such
@@ -729,14 +740,11 @@ def test_a_ghost_lru_evicted_past_the_horizon_casts_no_vote_keeping_old_chains_w
     # votes with this rule, three short spells, 0.409).
     q = FreeQueue([], (1,))
     lookups = _evicted_chains(q, 1, THRESHOLD)      # ghosts g1..g4 of chains released at 1..4
-    hot, fill = _blocks(5, 8, "h"), _blocks(13, 16, "f")
-    for i, h in enumerate(hot):                     # a hot session's chain, two others', then its return:
-        _release(q, [h])                            # reuse distance 2, within what tier 3 holds (LRU
-        _release(q, [fill[2 * i]])                  # served it); clock 28 after the eighth
-        _release(q, [fill[2 * i + 1]])
-        q.remove(h)
-    for lookup in lookups:                          # the tail comes back at distances 27 .. 24; the
-        lookup()                                    # horizon is 2 (16 reuses at 2 against 9 at 16 / 24)
+    _a_hot_session_returns_eight_times(q)
+    # the tail comes back at distances 27 .. 24; the horizon stays 2 (8 reuses within the 16 units tier 3
+    # holds, against at most 12 x 16 / 27 = 7.1 with the tail's)
+    for lookup in lookups:
+        lookup()
     assert q.ids() == list(range(13, 29))           # no vote: LRU (before: [13 .. 26, 28, 27])
 
 
@@ -752,12 +760,7 @@ def test_a_proven_blocks_ghost_votes_at_any_distance_keeping_old_chains_keeps_pr
         _release(q, [b], proven=True)               # clock 1..4
     for b in shared:
         assert q.take(0) == [b]                     # LRU: ghosts of proven blocks
-    hot, fill = _blocks(5, 8, "h"), _blocks(13, 16, "f")
-    for i, h in enumerate(hot):
-        _release(q, [h])
-        _release(q, [fill[2 * i]])
-        _release(q, [fill[2 * i + 1]])
-        q.remove(h)
+    _a_hot_session_returns_eight_times(q)
     for b in shared:
         q.note_lookup([b"p%d" % b.block_id, b.block_hash].__getitem__, 0, 2)
     assert q.ids() == [*range(13, 27), 28, 27]      # four votes: youngest first; the horizon is 2
