@@ -43,7 +43,9 @@ tiers' order merely ranks first held rag traces on LRU for good (docs/design.md,
 ``evidence`` adds the first (tokens) and subtracts the second, from the switch on, never below ``-cap``
 (as the credit never rises above ``cap``: a phase where LRU was right is not held against the tiers for
 good, so a later phase where LRU thrashes still brings them back); once it covers the deficit, the deficit
-is written off (``forgiven``) and the tiers get another try. Where LRU never misses
+is written off (``forgiven``) and the tiers get another try. Each write-off doubles the evidence the next one
+needs (``backoff``: so many times the deficit), until the tiers fill the bank again: tries that keep losing
+come back ever more rarely, as a sender backs off after each collision. Where LRU never misses
 what it evicted, the tiers never come back. (An earlier rule, "LRU served fewer hit tokens in as many
 admissions as the tiers' last stretch", almost never fired where hit rates grow over a trace: zipf
 sessions warming up kept the floor on LRU for good after one transient dip, 0.595 against the tiers'
@@ -85,7 +87,10 @@ and each write-off is at most the evidence of its stretch, which is at most the 
 floor at ``-cap`` only drops negative evidence), so ``forgiven`` is at most the tokens LRU itself missed,
 while in charge, on chains its own order had evicted and the tiers' would have kept (less what it hit that
 the tiers' order would have evicted since the evidence last stood at ``-cap``): the manager trails LRU by
-more than the slack and the current overshoot only by what LRU provably lost to its own evictions. Over
+more than the slack and the current overshoot only by what LRU provably lost to its own evictions. The
+backoff tightens that: the ``k``-th write-off since the tiers last filled the bank is at most ``E_k / 2^(k-1)``,
+``E_k`` its stretch's evidence, so between two fills the write-offs sum to at most twice the largest ``E_k``,
+however many tries the evidence grants. Over
 a stretch of admissions from ``s`` on, the surplus carried into it more (credit, reserve and what a streak
 held back: at most a pool's worth, spent once, not forever). Of it, only the bank, at most ``SURPLUS`` of the
 tokens looked up before the stretch, is spent before LRU takes over; the reserve comes back only after LRU's
@@ -210,7 +215,7 @@ class Floor:
                  "admissions", "lru_admissions", "switches", "hits", "lru_hits", "prompt_tokens", "lowest",
                  "evidence", "block", "forgiven", "sparse_admissions", "changes", "changed_by",
                  "dense_hits", "sparse_hits", "on_sparse", "streak", "streaks", "held_back", "give_back_at",
-                 "exposed", "evicted_tokens", "reserve", "give_back_on_win")
+                 "exposed", "evicted_tokens", "reserve", "give_back_on_win", "backoff")
 
     def __init__(self, cap: int = 0, slack: float = SLACK, surplus: float | None = None):
         self.dense = Shadow()       # plain LRU over every cached block freed
@@ -238,6 +243,7 @@ class Floor:
         self.give_back_at = None        # ... until a win or the real pool's evicted tokens reach this
         self.give_back_on_win = True    # ... whether a win gives it back (a streak's: yes; the bank's: no)
         self.reserve = 0.0              # surplus beyond the bank, given back after the bank is spent
+        self.backoff = 1                # a write-off needs this many times the deficit in evidence
         self.exposed = lambda: 0        # the free queue's: tokens the reference holds free, the real pool not
         self.evicted_tokens = lambda: 0     # the free queue's: tokens of cached content evicted so far
 
@@ -289,9 +295,12 @@ class Floor:
         credit = self._deposit(self.credit + hit - ref + self.slack * prompt_tokens, bank)
         if credit < self.lowest:
             self.lowest = credit
-        if self.follow_lru and credit < 0 and self.evidence >= -credit:
+        if self.follow_lru and credit < 0 and self.evidence >= -credit * self.backoff:
             self.forgiven -= credit     # the tiers would have made up the deficit: another try
             credit = 0.0
+            self.backoff *= 2           # ... and the next one, unless they fill the bank first, needs twice the proof
+        elif credit >= bank > 0:
+            self.backoff = 1
         if self.give_back_at is not None and ((hit > ref and self.give_back_on_win)
                                               or self.evicted_tokens() >= self.give_back_at):
             credit = self._deposit(credit + self.held_back, bank)

@@ -46,19 +46,21 @@ lowest non-empty tier:
 Tier 3's order adapts. Plain LRU is the worst order for the common cyclic reuse of sessions (a session's
 next turn queues behind every other session's, so LRU evicts exactly the chain needed next), and the best
 when reuse comes soon. It starts as LRU (the older front of chains and proven blocks goes first) and
-learns from **ghosts**: the hashes of tier-3 blocks it evicted. A lookup that stops where a ghost chain
-goes on (or a ghost's block computed again, where no lookup's walk reached it) votes for keeping old chains
-when LRU evicted it and keeping them would have served it (a chain's distance to its release, in tier-3 units,
-was within the horizon below: past it youngest-first lets a chain go first too, so a Zipf tail that every order
-misses casts no vote; proven blocks age out only past the longest distance, so theirs always vote), and against
-it when youngest-first evicted it
-although LRU would have kept it (the distance was within what tier 3
-holds); a hit on a chain older than tier 3's volume votes for keeping old chains too. Only after
-``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
+learns from **ghosts**: the hashes of tier-3 blocks it evicted. A lookup that stops where a ghost chain goes on (or
+a ghost's block computed again, where no lookup's walk reached it) votes for keeping old chains when LRU evicted it
+and keeping them would have served it (a chain's distance to its release, in tier-3 units, was within the horizon
+below: past it youngest-first lets a chain go first too, so a Zipf tail that every order misses casts no vote;
+proven blocks age out only past the longest distance, so theirs always vote), and against it when youngest-first
+evicted it although LRU would have kept it (the distance was within what tier 3 holds). A hit on a chain older than
+every free unit (plain LRU, all free units its own, would have let it go by now) votes for keeping old chains too: a
+forecast, which agent loops need before their first turnover. Counted against every free unit, empty ones included,
+it waits for pressure; counted against tier 3 alone (which hot sessions' hits keep small, while tiers 1 and 2 and
+the empty units hold the rest of LRU's reach) it held zipf and phase traces youngest-first where LRU still hit.
+Only after ``THRESHOLD`` net votes (a saturating counter) it evicts the **youngest** chain first, except that
 anything older than the horizon goes first: chains nobody came back for still age out. The horizon is the
-keep-time that serves most of the latest reuse distances (``_horizon``: youngest-first serves about V / H of
-the reuses within a horizon H, V what tier 3 can hold); proven blocks, reused by any request at any
-distance, age out only past the longest. A chain whose session has **ended** goes first too: a request whose
+keep-time that serves most of the latest reuse distances (``_horizon``: youngest-first serves about V / H of the
+reuses within a horizon H, V what tier 3 can hold); proven blocks, reused by any request at any distance, age out
+only past the longest. A chain whose session has **ended** goes first too: a request whose
 hit took back a finished chain knows its session's gap (that chain's age), and its own chain, once ``LATE``
 times that old, was its session's last while the ended-session claim holds (returns of such chains came
 within ``LATE`` times their gap at least ``DOUBT`` times as often as later, plus one, in doubt until then:
@@ -441,7 +443,7 @@ class FreeQueue:
         if b.batches is not None and not b.counted:
             b.counted = True
             age = self._clock - b.stamp
-            if age > self._reusable_units:      # LRU would have evicted it by now
+            if age > self.num_free_units:       # LRU, all free units its own, would have evicted it by now
                 self._vote(1)
             if b.batches is not self._proven:
                 self._reused_after(age)

@@ -1008,6 +1008,29 @@ def test_a_chain_hit_after_lru_would_have_evicted_it_stays_among_the_young_chain
     assert q.ids() == [9, 11, 10]                   # youngest first: the chain just released goes first
 
 
+@pytest.mark.parametrize("never_used, order", [(0, [51, 50]), (10, [50, 51])])
+def test_a_hit_on_a_chain_older_than_tier_3_holds_forecasts_keeping_old_chains_only_past_every_free_unit(
+        never_used, order):
+    # A hit on a chain that plain LRU would have evicted by now votes for keeping old chains before any ghost
+    # shows it. LRU's free blocks are every free unit, not tier 3's alone: hot sessions' hits take tier 3's
+    # younger chains back, and never-used units (or tiers 1 and 2) hold the rest. Here each chain comes back
+    # 4 tier-3 units after its release, when tier 3 holds it alone (1 unit): past LRU's reach only where no
+    # other unit is free.
+    q = FreeQueue([Block(i) for i in range(100, 100 + never_used)], (1,))
+    for r in range(THRESHOLD):
+        old = _blocks(10 * r + 1, 1, "o")[0]
+        _release(q, [old])                          # clock 5r + 1
+        later = _blocks(10 * r + 2, 4, "l")
+        for x in later:
+            _release(q, [x])                        # clock 5r + 2 .. 5r + 5
+        for x in later:
+            q.remove(x)                             # taken back within what tier 3 held: no vote
+        q.remove(old)                               # age 4; free units: 1 + never_used
+    for x in _blocks(50, 2, "c"):
+        _release(q, [x])                            # clock 21, 22
+    assert q.ids() == list(range(100, 100 + never_used)) + order   # 4 forecasts: youngest first; none: LRU
+
+
 def _follow_ups_shown(q: FreeQueue) -> None:
     """A hit takes back a free answer (clock 1): follow-ups come, the answer claim is refuted, and only the
     ghosts' duel can turn tier 3 to the frequency order."""
